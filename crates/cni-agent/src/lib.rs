@@ -1,0 +1,1 @@
+//! The `install-cni` node agent: installer, ambient enrollment, ZDS server, repair and HTTP.
