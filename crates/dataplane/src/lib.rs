@@ -1,5 +1,6 @@
 //! Privileged side effects of istio-cni-rs: the only crate that enters network namespaces, speaks
 //! netlink, runs iptables and touches address sets.
 
+pub mod inpod;
 pub mod netns;
 pub mod test_support;
