@@ -2,5 +2,6 @@
 //! netlink, runs iptables and touches address sets.
 
 pub mod inpod;
+pub mod netlink;
 pub mod netns;
 pub mod test_support;

@@ -1,0 +1,366 @@
+//! A small synchronous netlink socket shared by every netlink family we speak (rtnetlink for
+//! routes and rules, nfnetlink for nftables batches).
+//!
+//! The socket belongs to the network namespace it was *created* in, so callers create it inside
+//! a pod namespace with [`crate::netns::Netns::run`] and may then use it from any thread. All calls
+//! block; the kernel answers these requests in microseconds.
+
+use std::fmt::Debug;
+use std::io;
+
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_ACK_TLVS, NLM_F_CAPPED, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST,
+    NetlinkDeserializable, NetlinkHeader, NetlinkMessage, NetlinkPayload, NetlinkSerializable,
+};
+use netlink_sys::{Socket, SocketAddr};
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetlinkError {
+    #[error("netlink socket: {0}")]
+    Io(#[from] io::Error),
+    /// The kernel refused message `index` of the request (0 for single requests).
+    #[error("kernel rejected netlink message {index}: {source}{}", ext_ack.as_deref().map(|m| format!(" ({m})")).unwrap_or_default())]
+    Kernel {
+        index: usize,
+        source: io::Error,
+        /// The extended-ack text (`NLMSGERR_ATTR_MSG`), when the kernel gave one.
+        ext_ack: Option<String>,
+    },
+    #[error("cannot decode netlink reply: {0}")]
+    Decode(String),
+    /// The table changed while it was being dumped; the caller should dump again.
+    #[error("netlink dump interrupted by a concurrent change")]
+    DumpInterrupted,
+}
+
+impl NetlinkError {
+    /// The errno of a kernel rejection, if that is what this is.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            NetlinkError::Kernel { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+/// A connected netlink socket of one protocol (`netlink_sys::constants::NETLINK_*`).
+pub struct NetlinkSocket {
+    socket: Socket,
+    next_seq: u32,
+    buf: Vec<u8>,
+}
+
+// Large enough for any single datagram the kernel sends on a dump (it caps at 32 KiB unless the
+// receive buffer is larger); MSG_TRUNC detection below guards the rest.
+const RECV_BUF: usize = 64 * 1024;
+const NLMSGERR_ATTR_MSG: u16 = 1;
+
+impl NetlinkSocket {
+    /// Opens a socket in the calling thread's network namespace.
+    pub fn open(protocol: isize) -> Result<Self, NetlinkError> {
+        let mut socket = Socket::new(protocol)?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        // Best effort: older kernels simply do not attach the message text.
+        let _ = socket.set_ext_ack(true);
+        Ok(NetlinkSocket {
+            socket,
+            next_seq: 1,
+            buf: Vec::with_capacity(RECV_BUF),
+        })
+    }
+
+    /// Sends one request and waits for its acknowledgement. `flags` is added to
+    /// `NLM_F_REQUEST | NLM_F_ACK` (e.g. `NLM_F_CREATE | NLM_F_EXCL`).
+    pub fn request<T>(&mut self, payload: T, flags: u16) -> Result<(), NetlinkError>
+    where
+        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+    {
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
+        self.transact(vec![NetlinkMessage::new(
+            header,
+            NetlinkPayload::InnerMessage(payload),
+        )])
+        .map(|_| ())
+    }
+
+    /// Sends a dump request and collects every reply until `NLMSG_DONE`.
+    pub fn dump<T>(&mut self, payload: T) -> Result<Vec<T>, NetlinkError>
+    where
+        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+    {
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        let seq = self.alloc_seq();
+        header.sequence_number = seq;
+        self.send(&mut [NetlinkMessage::new(
+            header,
+            NetlinkPayload::InnerMessage(payload),
+        )])?;
+        let mut out = Vec::new();
+        let mut interrupted = false;
+        loop {
+            for (msg, ext_ack) in self.recv::<T>()? {
+                if msg.header.sequence_number != seq {
+                    continue;
+                }
+                interrupted |= msg.header.flags & NLM_F_DUMP_INTR != 0;
+                match msg.payload {
+                    NetlinkPayload::InnerMessage(m) => out.push(m),
+                    NetlinkPayload::Done(_) => {
+                        return if interrupted {
+                            Err(NetlinkError::DumpInterrupted)
+                        } else {
+                            Ok(out)
+                        };
+                    }
+                    NetlinkPayload::Error(e) if e.code.is_some() => {
+                        return Err(kernel_error(0, &e, ext_ack));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Sends `msgs` in one datagram (a netfilter batch, or several route requests) and waits until
+    /// every message that asked for an ack (`NLM_F_ACK`) got one. Sequence numbers are assigned
+    /// here. Returns the non-ack replies (e.g. `NLM_F_ECHO` copies), or the first rejection,
+    /// naming the index of the refused message.
+    pub fn transact<T>(
+        &mut self,
+        mut msgs: Vec<NetlinkMessage<T>>,
+    ) -> Result<Vec<NetlinkMessage<T>>, NetlinkError>
+    where
+        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+    {
+        let mut pending = Vec::new();
+        let first_seq = self.next_seq;
+        for (i, msg) in msgs.iter_mut().enumerate() {
+            let seq = self.alloc_seq();
+            msg.header.sequence_number = seq;
+            if msg.header.flags & NLM_F_ACK != 0 {
+                pending.push((seq, i));
+            }
+        }
+        self.send(&mut msgs)?;
+        let mut replies = Vec::new();
+        let mut first_err = None;
+        while !pending.is_empty() {
+            for (msg, ext_ack) in self.recv::<T>()? {
+                let seq = msg.header.sequence_number;
+                let Some(pos) = pending.iter().position(|(s, _)| *s == seq) else {
+                    if seq.wrapping_sub(first_seq) < msgs.len() as u32 {
+                        replies.push(msg);
+                    }
+                    continue;
+                };
+                match &msg.payload {
+                    NetlinkPayload::Error(e) => {
+                        let (_, index) = pending.remove(pos);
+                        if e.code.is_some() && first_err.is_none() {
+                            first_err = Some(kernel_error(index, e, ext_ack));
+                        }
+                    }
+                    _ => replies.push(msg),
+                }
+            }
+            // A failed batch message aborts the rest; the kernel does not ack what it never ran.
+            if first_err.is_some() && self.nothing_queued()? {
+                break;
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(replies),
+        }
+    }
+
+    fn alloc_seq(&mut self) -> u32 {
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1).max(1);
+        seq
+    }
+
+    fn send<T: NetlinkSerializable + Debug>(
+        &mut self,
+        msgs: &mut [NetlinkMessage<T>],
+    ) -> Result<(), NetlinkError> {
+        let mut out = Vec::new();
+        for msg in msgs {
+            msg.finalize();
+            let start = out.len();
+            out.resize(start + msg.buffer_len(), 0);
+            msg.serialize(&mut out[start..]);
+        }
+        let sent = self.socket.send(&out, 0)?;
+        if sent != out.len() {
+            return Err(NetlinkError::Io(io::Error::other("short netlink send")));
+        }
+        Ok(())
+    }
+
+    /// One datagram's messages, each with the extended-ack text of an error reply.
+    fn recv<T>(&mut self) -> Result<Vec<(NetlinkMessage<T>, Option<String>)>, NetlinkError>
+    where
+        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+    {
+        self.buf.clear();
+        self.buf.reserve(RECV_BUF);
+        let n = loop {
+            match self.socket.recv(&mut self.buf, 0) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                other => break other?,
+            }
+        };
+        if n > self.buf.len() {
+            return Err(NetlinkError::Decode(format!(
+                "datagram of {n} bytes truncated"
+            )));
+        }
+        let mut out = Vec::new();
+        let mut off = 0;
+        while off + 16 <= self.buf.len() {
+            let len =
+                u32::from_ne_bytes(self.buf[off..off + 4].try_into().expect("4 bytes")) as usize;
+            if len < 16 || off + len > self.buf.len() {
+                return Err(NetlinkError::Decode(format!(
+                    "bad message length {len} at offset {off}"
+                )));
+            }
+            let bytes = &self.buf[off..off + len];
+            let msg = NetlinkMessage::<T>::deserialize(bytes)
+                .map_err(|e| NetlinkError::Decode(e.to_string()))?;
+            let ext_ack = match msg.payload {
+                NetlinkPayload::Error(ref e) if e.code.is_some() => {
+                    ext_ack_text(msg.header.flags, bytes)
+                }
+                _ => None,
+            };
+            out.push((msg, ext_ack));
+            off += (len + 3) & !3;
+        }
+        Ok(out)
+    }
+
+    fn nothing_queued(&self) -> Result<bool, NetlinkError> {
+        let mut probe = [0u8; 1];
+        // SAFETY: recv into a 1-byte stack buffer we own; MSG_PEEK|MSG_DONTWAIT never blocks or consumes.
+        let n = unsafe {
+            libc::recv(
+                std::os::fd::AsRawFd::as_raw_fd(&self.socket),
+                probe.as_mut_ptr().cast(),
+                probe.len(),
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::WouldBlock {
+                return Ok(true);
+            }
+            return Err(err.into());
+        }
+        Ok(false)
+    }
+}
+
+impl std::os::fd::AsRawFd for NetlinkSocket {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.socket.as_raw_fd()
+    }
+}
+
+fn kernel_error(
+    index: usize,
+    e: &netlink_packet_core::ErrorMessage,
+    ext_ack: Option<String>,
+) -> NetlinkError {
+    NetlinkError::Kernel {
+        index,
+        source: e.to_io(),
+        ext_ack,
+    }
+}
+
+/// Finds `NLMSGERR_ATTR_MSG` in an `NLMSG_ERROR` datagram: after the 16-byte outer header come the
+/// errno (4 bytes) and the offending request (only its header when `NLM_F_CAPPED`), then TLVs.
+fn ext_ack_text(flags: u16, raw: &[u8]) -> Option<String> {
+    if flags & NLM_F_ACK_TLVS == 0 {
+        return None;
+    }
+    let inner = raw.get(20..)?;
+    let inner_len = if flags & NLM_F_CAPPED != 0 {
+        16
+    } else {
+        u32::from_ne_bytes(inner.get(0..4)?.try_into().ok()?) as usize
+    };
+    let mut tlvs = raw.get(20 + ((inner_len + 3) & !3)..)?;
+    while tlvs.len() >= 4 {
+        let len = u16::from_ne_bytes([tlvs[0], tlvs[1]]) as usize;
+        let kind = u16::from_ne_bytes([tlvs[2], tlvs[3]]) & 0x3fff;
+        if len < 4 || len > tlvs.len() {
+            return None;
+        }
+        if kind == NLMSGERR_ATTR_MSG {
+            let text = &tlvs[4..len];
+            let text = text.split(|b| *b == 0).next().unwrap_or_default();
+            return Some(String::from_utf8_lossy(text).into_owned());
+        }
+        tlvs = tlvs.get((len + 3) & !3..).unwrap_or_default();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use netlink_packet_route::RouteNetlinkMessage;
+    use netlink_packet_route::link::{LinkAttribute, LinkMessage};
+    use netlink_packet_route::route::RouteMessage;
+
+    use super::*;
+
+    #[test]
+    fn dump_lists_loopback() {
+        let mut sock = NetlinkSocket::open(netlink_sys::constants::NETLINK_ROUTE).unwrap();
+        let links = sock
+            .dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
+            .unwrap();
+        let names: Vec<String> = links
+            .iter()
+            .filter_map(|m| match m {
+                RouteNetlinkMessage::NewLink(l) => l.attributes.iter().find_map(|a| match a {
+                    LinkAttribute::IfName(n) => Some(n.clone()),
+                    _ => None,
+                }),
+                _ => None,
+            })
+            .collect();
+        assert!(names.iter().any(|n| n == "lo"), "{names:?}");
+        // The socket stays usable after a multi-part dump.
+        let again = sock
+            .dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
+            .unwrap();
+        assert_eq!(again.len(), links.len());
+    }
+
+    #[test]
+    fn rejection_carries_errno_and_index() {
+        let mut sock = NetlinkSocket::open(netlink_sys::constants::NETLINK_ROUTE).unwrap();
+        // A route message without a table or destination is refused (EINVAL as root, EPERM otherwise).
+        let err = sock
+            .request(RouteNetlinkMessage::DelRoute(RouteMessage::default()), 0)
+            .unwrap_err();
+        assert!(
+            matches!(err, NetlinkError::Kernel { index: 0, .. }),
+            "{err}"
+        );
+        assert!(err.errno().is_some());
+        // A rejection does not desynchronise later requests.
+        assert!(
+            sock.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
+                .is_ok()
+        );
+    }
+}
