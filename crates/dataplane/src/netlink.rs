@@ -43,6 +43,9 @@ impl NetlinkError {
     }
 }
 
+/// A reply and, for an error reply, the kernel's extended-ack text.
+type Received<T> = (NetlinkMessage<T>, Option<String>);
+
 /// A connected netlink socket of one protocol (`netlink_sys::constants::NETLINK_*`).
 pub struct NetlinkSocket {
     socket: Socket,
@@ -202,7 +205,7 @@ impl NetlinkSocket {
     }
 
     /// One datagram's messages, each with the extended-ack text of an error reply.
-    fn recv<T>(&mut self) -> Result<Vec<(NetlinkMessage<T>, Option<String>)>, NetlinkError>
+    fn recv<T>(&mut self) -> Result<Vec<Received<T>>, NetlinkError>
     where
         T: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
