@@ -3,6 +3,9 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
+pub mod iptables;
+pub mod overrides;
+
 /// Ports, marks and names shared with ztunnel and Istio. Changing any of them breaks wire
 /// compatibility.
 pub mod consts {
@@ -27,8 +30,9 @@ pub mod consts {
     /// Default link-local address kubelet probes are SNATed to.
     pub const PROBE_SNAT_V4: std::net::Ipv4Addr = std::net::Ipv4Addr::new(169, 254, 7, 127);
     /// Default IPv6 probe SNAT address.
-    pub const PROBE_SNAT_V6: std::net::Ipv6Addr =
-        std::net::Ipv6Addr::new(0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff);
+    pub const PROBE_SNAT_V6: std::net::Ipv6Addr = std::net::Ipv6Addr::new(
+        0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
+    );
     /// Host address set of enrolled pod IPs (suffixed `-v4` / `-v6`).
     pub const PROBE_SET_PREFIX: &str = "istio-inpod-probes";
 }
@@ -80,7 +84,12 @@ impl InterfaceName {
     pub const MAX_LEN: usize = 15;
 
     pub fn new(name: &str) -> Result<Self, InvalidInterfaceName> {
-        let bad = |reason| Err(InvalidInterfaceName { name: name.to_string(), reason });
+        let bad = |reason| {
+            Err(InvalidInterfaceName {
+                name: name.to_string(),
+                reason,
+            })
+        };
         if name.is_empty() {
             return bad("empty");
         }
@@ -93,7 +102,10 @@ impl InterfaceName {
         if name.starts_with('-') {
             return bad("starts with '-'");
         }
-        if !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        {
             return bad("only letters, digits, '_', '.' and '-' are allowed");
         }
         Ok(InterfaceName(name.to_string()))
@@ -119,7 +131,16 @@ mod tests {
         for ok in ["eth0", "fake1s0f0", "veth_a.b-c", "a23456789012345"] {
             assert_eq!(InterfaceName::new(ok).unwrap().as_str(), ok);
         }
-        for bad in ["", ".", "..", "-j", "eth0 -j ACCEPT", "a234567890123456", "eth0;x", "ä"] {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "-j",
+            "eth0 -j ACCEPT",
+            "a234567890123456",
+            "eth0;x",
+            "ä",
+        ] {
             assert!(InterfaceName::new(bad).is_err(), "{bad:?} accepted");
         }
     }
