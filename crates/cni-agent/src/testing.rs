@@ -1,2 +1,4 @@
 //! Test kit: real components wired the way a node wires them (never mocks of them). Compiled only
 //! for tests and with the `testing` feature; never part of the shipped agent.
+
+pub mod kube;
