@@ -1,0 +1,1006 @@
+//! The nftables form of ambient redirection as plain data: tables, chains, sets and rules made of
+//! typed expressions. The dataplane encodes this model to netfilter netlink and decodes the
+//! kernel's state back into it, so `verify` compares like with like; the text rendering is what
+//! operators, goldens and drift reports read.
+//!
+//! The text follows the `nft` syntax of Istio's transaction (`add table …`, `add rule …`). Two
+//! spellings are normalised because the model cannot (and need not) remember them: packet-mark
+//! matches are always written `mark and <mask> <op> <value>` (Istio mixes `meta mark &`,
+//! `meta mark and` and `mark and` for the same expression) and runs of spaces are single.
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use super::{InpodConfig, consts};
+
+pub const NAT_TABLE: &str = "istio-ambient-nat";
+pub const MANGLE_TABLE: &str = "istio-ambient-mangle";
+pub const RAW_TABLE: &str = "istio-ambient-raw";
+/// Every table the in-pod rule set may create; `remove` and `verify` look at exactly these.
+pub const INPOD_TABLES: [&str; 3] = [NAT_TABLE, MANGLE_TABLE, RAW_TABLE];
+
+pub const PREROUTING: &str = "prerouting";
+pub const OUTPUT: &str = "output";
+pub const POSTROUTING: &str = "postrouting";
+pub const ISTIO_PREROUTING: &str = "istio-prerouting";
+pub const ISTIO_OUTPUT: &str = "istio-output";
+
+/// Comment Istio puts on the host probe sets.
+pub const PROBE_SET_COMMENT: &str = "UUID of the pods that are part of ambient mesh";
+
+/// Loopback destinations that are never captured.
+const LOOPBACK_V4: Prefix = Prefix {
+    addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
+    len: 32,
+};
+const LOOPBACK_V6: Prefix = Prefix {
+    addr: IpAddr::V6(Ipv6Addr::LOCALHOST),
+    len: 128,
+};
+/// `ct mark set ct mark & KEEP | 0x111`: keeps the connmark bits outside our mask.
+const CT_MARK_KEEP: u32 = !consts::MARK_MASK;
+const DNS_PORT: u16 = 53;
+
+/// A whole rule set; every table is of family `inet` (one table serves IPv4 and IPv6).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ruleset {
+    pub tables: Vec<Table>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Table {
+    pub name: String,
+    /// Sets survive a re-apply (their elements are managed one by one); only chains are flushed.
+    /// Without sets the whole table is replaced.
+    pub sets: Vec<Set>,
+    pub chains: Vec<Chain>,
+    /// In the order they are added; within one chain this is the evaluation order.
+    pub rules: Vec<Rule>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    pub name: String,
+    /// `None` for a regular chain, reachable only by jumps.
+    pub base: Option<BaseChain>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BaseChain {
+    pub kind: ChainType,
+    pub hook: Hook,
+    pub priority: i32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChainType {
+    Filter,
+    Nat,
+    Route,
+}
+
+impl ChainType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChainType::Filter => "filter",
+            ChainType::Nat => "nat",
+            ChainType::Route => "route",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "filter" => ChainType::Filter,
+            "nat" => ChainType::Nat,
+            "route" => ChainType::Route,
+            _ => return None,
+        })
+    }
+}
+
+/// Netfilter hooks of the inet family, numbered as in `<linux/netfilter.h>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    Prerouting = 0,
+    Input = 1,
+    Forward = 2,
+    Output = 3,
+    Postrouting = 4,
+}
+
+impl Hook {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Hook::Prerouting => "prerouting",
+            Hook::Input => "input",
+            Hook::Forward => "forward",
+            Hook::Output => "output",
+            Hook::Postrouting => "postrouting",
+        }
+    }
+
+    pub fn from_number(n: u32) -> Option<Self> {
+        Some(match n {
+            0 => Hook::Prerouting,
+            1 => Hook::Input,
+            2 => Hook::Forward,
+            3 => Hook::Output,
+            4 => Hook::Postrouting,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Set {
+    pub name: String,
+    pub key: SetKey,
+    pub comment: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetKey {
+    Ipv4Addr,
+    Ipv6Addr,
+}
+
+impl SetKey {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SetKey::Ipv4Addr => "ipv4_addr",
+            SetKey::Ipv6Addr => "ipv6_addr",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub chain: String,
+    pub exprs: Vec<Expr>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum L4Proto {
+    Tcp,
+    Udp,
+}
+
+impl L4Proto {
+    pub fn number(self) -> u8 {
+        match self {
+            L4Proto::Tcp => 6,
+            L4Proto::Udp => 17,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            6 => Some(L4Proto::Tcp),
+            17 => Some(L4Proto::Udp),
+            _ => None,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            L4Proto::Tcp => "tcp",
+            L4Proto::Udp => "udp",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddrField {
+    Saddr,
+    Daddr,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PortField {
+    Sport,
+    Dport,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IfField {
+    Iifname,
+    Oifname,
+}
+
+/// An address and prefix length; the family of `addr` decides `ip` or `ip6`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefix {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl Prefix {
+    pub fn host(addr: IpAddr) -> Self {
+        Prefix {
+            addr,
+            len: Self::max_len(addr),
+        }
+    }
+
+    pub fn max_len(addr: IpAddr) -> u8 {
+        if addr.is_ipv4() { 32 } else { 128 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Accept,
+    Drop,
+    Return,
+    Jump(String),
+}
+
+/// One statement of a rule. Matches are followed by statements; each variant has exactly one
+/// low-level expansion (the one `nft` itself produces), which the dataplane encodes and decodes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expr {
+    /// `meta l4proto tcp`
+    L4Proto(L4Proto),
+    /// `ip saddr 169.254.7.127`, `ip6 daddr != ::1/128`
+    Addr {
+        field: AddrField,
+        op: CmpOp,
+        prefix: Prefix,
+    },
+    /// `tcp dport != 15008` (implies the protocol)
+    Port {
+        proto: L4Proto,
+        field: PortField,
+        op: CmpOp,
+        port: u16,
+    },
+    /// `oifname != lo`
+    Iface {
+        field: IfField,
+        op: CmpOp,
+        name: String,
+    },
+    /// `mark and 0xfff != 0x539` (the packet mark)
+    Mark {
+        mask: u32,
+        op: CmpOp,
+        value: u32,
+    },
+    /// `ct mark and 0xfff == 0x111` (the connection mark)
+    CtMark {
+        mask: u32,
+        op: CmpOp,
+        value: u32,
+    },
+    /// `skuid 1000`: the owner of the sending socket
+    SkUid(u32),
+    /// `ip daddr @istio-inpod-probes-v4`
+    AddrInSet {
+        field: AddrField,
+        v6: bool,
+        set: String,
+    },
+    Counter,
+    Verdict(Verdict),
+    /// `redirect to :15001`
+    Redirect {
+        port: u16,
+    },
+    /// `snat to 169.254.7.127`
+    Snat {
+        addr: IpAddr,
+    },
+    /// `ct mark set ct mark & 0xfffff000 | 0x111`
+    CtMarkSetMasked {
+        keep: u32,
+        or: u32,
+    },
+    /// `meta mark set ct mark`
+    MarkSetCtMark,
+    /// `ct zone set 1`
+    CtZoneSet(u16),
+    /// Kernel state this model does not describe (someone else's rule); the text says what it
+    /// is so a drift report stays readable.
+    Unknown(String),
+}
+
+impl fmt::Display for CmpOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CmpOp::Eq => "==",
+            CmpOp::Ne => "!=",
+        })
+    }
+}
+
+/// Prefix for an implicit-equality match: nothing for `==`, `!= ` otherwise.
+fn neg(op: CmpOp) -> &'static str {
+    match op {
+        CmpOp::Eq => "",
+        CmpOp::Ne => "!= ",
+    }
+}
+
+impl fmt::Display for Expr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Expr::L4Proto(p) => write!(f, "meta l4proto {}", p.as_str()),
+            Expr::Addr { field, op, prefix } => {
+                let fam = if prefix.addr.is_ipv4() { "ip" } else { "ip6" };
+                write!(
+                    f,
+                    "{fam} {} {}{}",
+                    addr_field(*field),
+                    neg(*op),
+                    prefix.addr
+                )?;
+                // Istio writes negated loopback matches with their length (`!= 127.0.0.1/32`) and
+                // host matches without; both encode identically, so the operator decides.
+                if prefix.len != Prefix::max_len(prefix.addr) || *op == CmpOp::Ne {
+                    write!(f, "/{}", prefix.len)?;
+                }
+                Ok(())
+            }
+            Expr::Port {
+                proto,
+                field,
+                op,
+                port,
+            } => {
+                let field = match field {
+                    PortField::Sport => "sport",
+                    PortField::Dport => "dport",
+                };
+                write!(f, "{} {field} {}{port}", proto.as_str(), neg(*op))
+            }
+            Expr::Iface { field, op, name } => {
+                let field = match field {
+                    IfField::Iifname => "iifname",
+                    IfField::Oifname => "oifname",
+                };
+                write!(f, "{field} {}{name}", neg(*op))
+            }
+            Expr::Mark { mask, op, value } => write!(f, "mark and {mask:#x} {op} {value:#x}"),
+            Expr::CtMark { mask, op, value } => {
+                write!(f, "ct mark and {mask:#x} {op} {value:#x}")
+            }
+            Expr::SkUid(uid) => write!(f, "skuid {uid}"),
+            Expr::AddrInSet { field, v6, set } => {
+                let fam = if *v6 { "ip6" } else { "ip" };
+                write!(f, "{fam} {} @{set}", addr_field(*field))
+            }
+            Expr::Counter => f.write_str("counter"),
+            Expr::Verdict(Verdict::Accept) => f.write_str("accept"),
+            Expr::Verdict(Verdict::Drop) => f.write_str("drop"),
+            Expr::Verdict(Verdict::Return) => f.write_str("return"),
+            Expr::Verdict(Verdict::Jump(chain)) => write!(f, "jump {chain}"),
+            Expr::Redirect { port } => write!(f, "redirect to :{port}"),
+            Expr::Snat { addr } => write!(f, "snat to {addr}"),
+            Expr::CtMarkSetMasked { keep, or } => {
+                write!(f, "ct mark set ct mark & {keep:#x} | {or:#x}")
+            }
+            Expr::MarkSetCtMark => f.write_str("meta mark set ct mark"),
+            Expr::CtZoneSet(zone) => write!(f, "ct zone set {zone}"),
+            Expr::Unknown(text) => f.write_str(text),
+        }
+    }
+}
+
+fn addr_field(field: AddrField) -> &'static str {
+    match field {
+        AddrField::Saddr => "saddr",
+        AddrField::Daddr => "daddr",
+    }
+}
+
+impl Rule {
+    pub fn new(chain: &str, exprs: Vec<Expr>) -> Self {
+        Rule {
+            chain: chain.to_string(),
+            exprs,
+        }
+    }
+
+    /// The rule's expressions as `nft` text, without table and chain.
+    pub fn body(&self) -> String {
+        let parts: Vec<String> = self.exprs.iter().map(ToString::to_string).collect();
+        parts.join(" ")
+    }
+}
+
+impl Chain {
+    pub fn regular(name: &str) -> Self {
+        Chain {
+            name: name.to_string(),
+            base: None,
+        }
+    }
+
+    pub fn base(name: &str, kind: ChainType, hook: Hook, priority: i32) -> Self {
+        Chain {
+            name: name.to_string(),
+            base: Some(BaseChain {
+                kind,
+                hook,
+                priority,
+            }),
+        }
+    }
+}
+
+impl Table {
+    fn new(name: &str) -> Self {
+        Table {
+            name: name.to_string(),
+            ..Table::default()
+        }
+    }
+
+    fn push(&mut self, chain: &str, exprs: Vec<Expr>) {
+        self.rules.push(Rule::new(chain, exprs));
+    }
+
+    pub fn add_table_line(&self) -> String {
+        format!("add table inet {}", self.name)
+    }
+
+    pub fn set_line(&self, set: &Set) -> String {
+        let mut line = format!(
+            "add set inet {} {} {{ type {} ;",
+            self.name,
+            set.name,
+            set.key.as_str()
+        );
+        if let Some(c) = &set.comment {
+            line.push_str(&format!(" comment \"{c}\" ;"));
+        }
+        line.push_str(" }");
+        line
+    }
+
+    pub fn chain_line(&self, chain: &Chain) -> String {
+        match &chain.base {
+            None => format!("add chain inet {} {}", self.name, chain.name),
+            Some(b) => format!(
+                "add chain inet {} {} {{ type {} hook {} priority {} ; }}",
+                self.name,
+                chain.name,
+                b.kind.as_str(),
+                b.hook.as_str(),
+                b.priority
+            ),
+        }
+    }
+
+    pub fn rule_line(&self, rule: &Rule) -> String {
+        format!("add rule inet {} {} {}", self.name, rule.chain, rule.body())
+    }
+
+    /// The rules of one chain, in evaluation order.
+    pub fn chain_rules<'a>(&'a self, chain: &'a str) -> impl Iterator<Item = &'a Rule> + 'a {
+        self.rules.iter().filter(move |r| r.chain == chain)
+    }
+
+    /// The table as the `nft -f` transaction that creates it from any prior state.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut line = |l: String| {
+            out.push_str(&l);
+            out.push('\n');
+        };
+        line(self.add_table_line());
+        if self.sets.is_empty() {
+            line(format!("flush table inet {}", self.name));
+        }
+        for set in &self.sets {
+            line(self.set_line(set));
+        }
+        for chain in &self.chains {
+            line(self.chain_line(chain));
+        }
+        if !self.sets.is_empty() {
+            for chain in &self.chains {
+                line(format!("flush chain inet {} {}", self.name, chain.name));
+            }
+        }
+        for rule in &self.rules {
+            line(self.rule_line(rule));
+        }
+        out
+    }
+}
+
+impl Ruleset {
+    pub fn render(&self) -> String {
+        self.tables.iter().map(Table::render).collect()
+    }
+
+    pub fn table(&self, name: &str) -> Option<&Table> {
+        self.tables.iter().find(|t| t.name == name)
+    }
+}
+
+/// Builds the in-pod rule set for `cfg`, in Istio's transaction order (nat, mangle, raw; rules in
+/// the order Istio appends them). The raw table exists only with DNS capture.
+pub fn inpod_ruleset(cfg: &InpodConfig) -> Ruleset {
+    use Expr as E;
+    let mut nat = Table::new(NAT_TABLE);
+    let mut mangle = Table::new(MANGLE_TABLE);
+    let mut raw = Table::new(RAW_TABLE);
+    for (table, pre, out) in [
+        (&mut nat, (ChainType::Nat, -100), (ChainType::Nat, -100)),
+        (
+            &mut mangle,
+            (ChainType::Filter, -150),
+            (ChainType::Route, -150),
+        ),
+        (
+            &mut raw,
+            (ChainType::Filter, -300),
+            (ChainType::Filter, -300),
+        ),
+    ] {
+        table.chains = vec![
+            Chain::base(PREROUTING, pre.0, Hook::Prerouting, pre.1),
+            Chain::base(OUTPUT, out.0, Hook::Output, out.1),
+            Chain::regular(ISTIO_PREROUTING),
+            Chain::regular(ISTIO_OUTPUT),
+        ];
+    }
+
+    let jump = |chain: &str| vec![E::Verdict(Verdict::Jump(chain.to_string()))];
+    let mark = |op, value| E::Mark {
+        mask: consts::MARK_MASK,
+        op,
+        value,
+    };
+    let not_ztunnel = || mark(CmpOp::Ne, consts::ZTUNNEL_MARK);
+    let addr = |field, op, prefix| E::Addr { field, op, prefix };
+    let host = |a: IpAddr| Prefix::host(a);
+    let tcp = || E::L4Proto(L4Proto::Tcp);
+    let accept = || E::Verdict(Verdict::Accept);
+    let v4 = IpAddr::V4(cfg.probe_snat_v4);
+    let v6 = IpAddr::V6(cfg.probe_snat_v6);
+    // Each IPv4 rule that names an address has an IPv6 twin right after it.
+    let families = |ipv6: bool| -> Vec<(IpAddr, Prefix)> {
+        let mut f = vec![(v4, LOOPBACK_V4)];
+        if ipv6 {
+            f.push((v6, LOOPBACK_V6));
+        }
+        f
+    };
+    let fams = families(cfg.ipv6);
+
+    mangle.push(PREROUTING, jump(ISTIO_PREROUTING));
+    mangle.push(OUTPUT, jump(ISTIO_OUTPUT));
+    nat.push(OUTPUT, jump(ISTIO_OUTPUT));
+    if cfg.redirect_dns {
+        raw.push(PREROUTING, jump(ISTIO_PREROUTING));
+        raw.push(OUTPUT, jump(ISTIO_OUTPUT));
+    }
+    nat.push(PREROUTING, jump(ISTIO_PREROUTING));
+
+    // Virtual interfaces short-circuit first: inbound TCP on them is treated as outbound.
+    for iface in &cfg.reroute_virtual_interfaces {
+        let iif = || E::Iface {
+            field: IfField::Iifname,
+            op: CmpOp::Eq,
+            name: iface.as_str().to_string(),
+        };
+        nat.push(
+            ISTIO_PREROUTING,
+            vec![
+                iif(),
+                tcp(),
+                E::Counter,
+                E::Redirect {
+                    port: consts::OUTBOUND_PORT,
+                },
+            ],
+        );
+        nat.push(
+            ISTIO_PREROUTING,
+            vec![iif(), tcp(), E::Counter, E::Verdict(Verdict::Return)],
+        );
+    }
+
+    // Packets ztunnel sends into the pod get a connmark, so the app's replies can be routed back.
+    mangle.push(
+        ISTIO_PREROUTING,
+        vec![
+            mark(CmpOp::Eq, consts::ZTUNNEL_MARK),
+            E::Counter,
+            E::CtMarkSetMasked {
+                keep: CT_MARK_KEEP,
+                or: consts::TPROXY_MARK,
+            },
+        ],
+    );
+
+    if !cfg.ingress_mode {
+        for (probe, _) in &fams {
+            nat.push(
+                ISTIO_PREROUTING,
+                vec![
+                    tcp(),
+                    addr(AddrField::Saddr, CmpOp::Eq, host(*probe)),
+                    E::Counter,
+                    accept(),
+                ],
+            );
+        }
+    }
+    for (probe, _) in &fams {
+        nat.push(
+            ISTIO_OUTPUT,
+            vec![
+                tcp(),
+                addr(AddrField::Daddr, CmpOp::Eq, host(*probe)),
+                E::Counter,
+                accept(),
+            ],
+        );
+    }
+    if !cfg.ingress_mode {
+        for (_, lo) in &fams {
+            nat.push(
+                ISTIO_PREROUTING,
+                vec![
+                    addr(AddrField::Daddr, CmpOp::Ne, *lo),
+                    E::Port {
+                        proto: L4Proto::Tcp,
+                        field: PortField::Dport,
+                        op: CmpOp::Ne,
+                        port: consts::INBOUND_HBONE_PORT,
+                    },
+                    not_ztunnel(),
+                    E::Counter,
+                    E::Redirect {
+                        port: consts::INBOUND_PLAINTEXT_PORT,
+                    },
+                ],
+            );
+        }
+    }
+
+    mangle.push(
+        ISTIO_OUTPUT,
+        vec![
+            E::CtMark {
+                mask: consts::MARK_MASK,
+                op: CmpOp::Eq,
+                value: consts::TPROXY_MARK,
+            },
+            E::Counter,
+            E::MarkSetCtMark,
+        ],
+    );
+
+    if cfg.redirect_dns {
+        let dns_redirect = E::Redirect {
+            port: consts::DNS_PROXY_PORT,
+        };
+        nat.push(
+            ISTIO_OUTPUT,
+            vec![
+                E::Iface {
+                    field: IfField::Oifname,
+                    op: CmpOp::Ne,
+                    name: "lo".to_string(),
+                },
+                not_ztunnel(),
+                E::Port {
+                    proto: L4Proto::Udp,
+                    field: PortField::Dport,
+                    op: CmpOp::Eq,
+                    port: DNS_PORT,
+                },
+                E::Counter,
+                dns_redirect.clone(),
+            ],
+        );
+        for (_, lo) in &fams {
+            nat.push(
+                ISTIO_OUTPUT,
+                vec![
+                    addr(AddrField::Daddr, CmpOp::Ne, *lo),
+                    E::Port {
+                        proto: L4Proto::Tcp,
+                        field: PortField::Dport,
+                        op: CmpOp::Eq,
+                        port: DNS_PORT,
+                    },
+                    not_ztunnel(),
+                    E::Counter,
+                    dns_redirect.clone(),
+                ],
+            );
+        }
+        // Proxy <-> upstream DNS traffic gets its own conntrack zone so its ports cannot collide
+        // with the app's own DNS flows.
+        raw.push(
+            ISTIO_OUTPUT,
+            vec![
+                E::Port {
+                    proto: L4Proto::Udp,
+                    field: PortField::Dport,
+                    op: CmpOp::Eq,
+                    port: DNS_PORT,
+                },
+                mark(CmpOp::Eq, consts::ZTUNNEL_MARK),
+                E::Counter,
+                E::CtZoneSet(1),
+            ],
+        );
+        raw.push(
+            ISTIO_PREROUTING,
+            vec![
+                E::Port {
+                    proto: L4Proto::Udp,
+                    field: PortField::Sport,
+                    op: CmpOp::Eq,
+                    port: DNS_PORT,
+                },
+                not_ztunnel(),
+                E::Counter,
+                E::CtZoneSet(1),
+            ],
+        );
+    }
+
+    nat.push(
+        ISTIO_OUTPUT,
+        vec![
+            tcp(),
+            mark(CmpOp::Eq, consts::TPROXY_MARK),
+            E::Counter,
+            accept(),
+        ],
+    );
+    // The app calling its own pod IP goes over lo and must not loop through ztunnel.
+    for (_, lo) in &fams {
+        nat.push(
+            ISTIO_OUTPUT,
+            vec![
+                E::Iface {
+                    field: IfField::Oifname,
+                    op: CmpOp::Eq,
+                    name: "lo".to_string(),
+                },
+                addr(AddrField::Daddr, CmpOp::Ne, *lo),
+                E::Counter,
+                accept(),
+            ],
+        );
+    }
+    for (_, lo) in &fams {
+        nat.push(
+            ISTIO_OUTPUT,
+            vec![
+                tcp(),
+                addr(AddrField::Daddr, CmpOp::Ne, *lo),
+                not_ztunnel(),
+                E::Counter,
+                E::Redirect {
+                    port: consts::OUTBOUND_PORT,
+                },
+            ],
+        );
+    }
+
+    let mut tables = vec![nat, mangle];
+    if cfg.redirect_dns {
+        tables.push(raw);
+    }
+    Ruleset { tables }
+}
+
+/// Inputs of the host-side probe rule (host network namespace).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostProbeConfig {
+    /// Owner of kubelet's sockets: only its probes are SNATed.
+    pub kubelet_uid: u32,
+    pub ipv6: bool,
+    pub probe_snat_v4: Ipv4Addr,
+    pub probe_snat_v6: Ipv6Addr,
+}
+
+pub fn probe_set_name(v6: bool) -> String {
+    format!(
+        "{}-{}",
+        consts::PROBE_SET_PREFIX,
+        if v6 { "v6" } else { "v4" }
+    )
+}
+
+/// The host table: the probe address set(s) and the postrouting SNAT of kubelet's probes to
+/// enrolled pods. nftables has no `--socket-exists`, so kubelet is recognised by its UID.
+pub fn host_ruleset(cfg: &HostProbeConfig) -> Ruleset {
+    let mut table = Table::new(NAT_TABLE);
+    table.chains = vec![Chain::base(
+        POSTROUTING,
+        ChainType::Nat,
+        Hook::Postrouting,
+        100,
+    )];
+    let mut fams = vec![(false, IpAddr::V4(cfg.probe_snat_v4))];
+    if cfg.ipv6 {
+        fams.push((true, IpAddr::V6(cfg.probe_snat_v6)));
+    }
+    for (v6, snat) in fams {
+        table.sets.push(Set {
+            name: probe_set_name(v6),
+            key: if v6 {
+                SetKey::Ipv6Addr
+            } else {
+                SetKey::Ipv4Addr
+            },
+            comment: Some(PROBE_SET_COMMENT.to_string()),
+        });
+        table.push(
+            POSTROUTING,
+            vec![
+                Expr::L4Proto(L4Proto::Tcp),
+                Expr::SkUid(cfg.kubelet_uid),
+                Expr::AddrInSet {
+                    field: AddrField::Daddr,
+                    v6,
+                    set: probe_set_name(v6),
+                },
+                Expr::Counter,
+                Expr::Snat { addr: snat },
+            ],
+        );
+    }
+    Ruleset {
+        tables: vec![table],
+    }
+}
+
+/// What differs between a desired rule set and the kernel's state of the same tables, one `nft`
+/// line per entry. Rules are compared per chain and in order; a chain whose rules are all present
+/// but reordered is reported as wholly missing and wholly unexpected.
+pub fn diff(desired: &Ruleset, actual: &Ruleset) -> (Vec<String>, Vec<String>) {
+    let mut missing = Vec::new();
+    let mut unexpected = Vec::new();
+    for want in &desired.tables {
+        match actual.table(&want.name) {
+            None => missing.extend(table_lines(want)),
+            Some(have) => diff_table(want, have, &mut missing, &mut unexpected),
+        }
+    }
+    for have in &actual.tables {
+        if desired.table(&have.name).is_none() {
+            unexpected.extend(table_lines(have));
+        }
+    }
+    (missing, unexpected)
+}
+
+fn table_lines(t: &Table) -> Vec<String> {
+    let mut lines = vec![t.add_table_line()];
+    lines.extend(t.sets.iter().map(|s| t.set_line(s)));
+    lines.extend(t.chains.iter().map(|c| t.chain_line(c)));
+    for c in &t.chains {
+        lines.extend(t.chain_rules(&c.name).map(|r| t.rule_line(r)));
+    }
+    lines
+}
+
+fn diff_table(want: &Table, have: &Table, missing: &mut Vec<String>, unexpected: &mut Vec<String>) {
+    let set_lines = |t: &Table| -> Vec<String> { t.sets.iter().map(|s| t.set_line(s)).collect() };
+    multiset_diff(set_lines(want), set_lines(have), missing, unexpected);
+    let chain_lines =
+        |t: &Table| -> Vec<String> { t.chains.iter().map(|c| t.chain_line(c)).collect() };
+    multiset_diff(chain_lines(want), chain_lines(have), missing, unexpected);
+
+    let mut names: Vec<&str> = want.chains.iter().map(|c| c.name.as_str()).collect();
+    for c in &have.chains {
+        if !names.contains(&c.name.as_str()) {
+            names.push(&c.name);
+        }
+    }
+    for name in names {
+        let w: Vec<String> = want.chain_rules(name).map(|r| want.rule_line(r)).collect();
+        let h: Vec<String> = have.chain_rules(name).map(|r| have.rule_line(r)).collect();
+        if w == h {
+            continue;
+        }
+        let (before_m, before_u) = (missing.len(), unexpected.len());
+        multiset_diff(w.clone(), h.clone(), missing, unexpected);
+        if missing.len() == before_m && unexpected.len() == before_u {
+            missing.extend(w);
+            unexpected.extend(h);
+        }
+    }
+}
+
+fn multiset_diff(
+    want: Vec<String>,
+    mut have: Vec<String>,
+    missing: &mut Vec<String>,
+    unexpected: &mut Vec<String>,
+) {
+    for line in want {
+        match have.iter().position(|h| *h == line) {
+            Some(i) => {
+                have.remove(i);
+            }
+            None => missing.push(line),
+        }
+    }
+    unexpected.extend(have);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negated_loopback_keeps_its_length_and_hosts_do_not() {
+        let ne = Expr::Addr {
+            field: AddrField::Daddr,
+            op: CmpOp::Ne,
+            prefix: LOOPBACK_V6,
+        };
+        assert_eq!(ne.to_string(), "ip6 daddr != ::1/128");
+        let eq = Expr::Addr {
+            field: AddrField::Saddr,
+            op: CmpOp::Eq,
+            prefix: Prefix::host(IpAddr::V4(consts::PROBE_SNAT_V4)),
+        };
+        assert_eq!(eq.to_string(), "ip saddr 169.254.7.127");
+    }
+
+    #[test]
+    fn diff_of_identical_sets_is_empty() {
+        let rs = inpod_ruleset(&InpodConfig::default());
+        assert_eq!(diff(&rs, &rs), (vec![], vec![]));
+    }
+
+    #[test]
+    fn diff_names_missing_and_foreign_rules() {
+        let want = inpod_ruleset(&InpodConfig::default());
+        let mut have = want.clone();
+        let nat = &mut have.tables[0];
+        let gone = nat.rules.remove(nat.rules.len() - 1);
+        nat.rules
+            .push(Rule::new(ISTIO_OUTPUT, vec![Expr::Verdict(Verdict::Drop)]));
+        have.tables.retain(|t| t.name != RAW_TABLE);
+        let (missing, unexpected) = diff(&want, &have);
+        assert!(missing.contains(&want.tables[0].rule_line(&gone)));
+        assert!(missing.contains(&"add table inet istio-ambient-raw".to_string()));
+        assert_eq!(
+            unexpected,
+            vec!["add rule inet istio-ambient-nat istio-output drop".to_string()]
+        );
+    }
+
+    #[test]
+    fn reordered_chain_is_reported() {
+        let want = inpod_ruleset(&InpodConfig::default());
+        let mut have = want.clone();
+        let nat = &mut have.tables[0];
+        let last = nat.rules.pop().unwrap();
+        nat.rules.insert(2, last);
+        let (missing, unexpected) = diff(&want, &have);
+        assert!(!missing.is_empty() && missing.len() == unexpected.len());
+    }
+
+    #[test]
+    fn no_dns_means_no_raw_table() {
+        let rs = inpod_ruleset(&InpodConfig {
+            redirect_dns: false,
+            ..InpodConfig::default()
+        });
+        assert!(rs.table(RAW_TABLE).is_none());
+        let text = rs.render();
+        assert!(!text.contains("dport 53") && !text.contains(":15053"));
+    }
+}
