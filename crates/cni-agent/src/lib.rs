@@ -1,4 +1,7 @@
 //! The `install-cni` node agent: installer, ambient enrollment, ZDS server, repair and HTTP.
 
+pub mod hostfs;
+pub mod http;
+pub mod metrics;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -1,0 +1,202 @@
+//! The agent's metrics: Istio's names and labels exactly (dashboards and alerts keep working), plus
+//! latency histograms Istio does not have. Counters are registered without `_total`;
+//! prometheus-client appends it, giving Istio's exported names.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TypeLabel {
+    pub r#type: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RepairLabels {
+    pub r#type: String,
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResponseCodeLabel {
+    pub response_code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabel {
+    pub backend: String,
+}
+
+/// Every metric the agent exports. Cloning shares the underlying values.
+#[derive(Clone)]
+pub struct Metrics {
+    /// `istio_cni_installs_total{result}`
+    pub installs: Family<ResultLabel, Counter>,
+    /// `istio_cni_install_ready`
+    pub install_ready: Gauge,
+    /// `istio_cni_repair_pods_repaired_total{type,result}`
+    pub pods_repaired: Family<RepairLabels, Counter>,
+    /// `nodeagent_reconcile_events_total{type}`
+    pub reconcile_events: Family<TypeLabel, Counter>,
+    /// `ztunnel_connected`
+    pub ztunnel_connected: Gauge,
+    /// `istio_cni_plugin_requests_total{response_code}`
+    pub plugin_requests: Family<ResponseCodeLabel, Counter>,
+    /// CNI ADD handled by the agent, from request to response.
+    pub cni_add_seconds: Histogram,
+    /// Opening a pod's netns (CNI path) or discovering it under /proc.
+    pub netns_resolve_seconds: Histogram,
+    /// Programming a pod's routes and rules, per backend.
+    pub rule_apply_seconds: Family<BackendLabel, Histogram>,
+    /// ZDS request sent → ack received.
+    pub zds_ack_seconds: Histogram,
+    /// Informer event seen → pod enrolled and annotated.
+    pub event_to_enrolled_seconds: Histogram,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs .. ~3.3 s: rule applies are sub-millisecond, a slow API patch takes seconds.
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 17))
+}
+
+impl Metrics {
+    pub fn new(registry: &mut Registry) -> Self {
+        let m = Metrics {
+            installs: Family::default(),
+            install_ready: Gauge::default(),
+            pods_repaired: Family::default(),
+            reconcile_events: Family::default(),
+            ztunnel_connected: Gauge::default(),
+            plugin_requests: Family::default(),
+            cni_add_seconds: latency_histogram(),
+            netns_resolve_seconds: latency_histogram(),
+            rule_apply_seconds: Family::new_with_constructor(latency_histogram),
+            zds_ack_seconds: latency_histogram(),
+            event_to_enrolled_seconds: latency_histogram(),
+        };
+        registry.register(
+            "istio_cni_installs",
+            "Install cycles by result",
+            m.installs.clone(),
+        );
+        registry.register(
+            "istio_cni_install_ready",
+            "1 when the CNI config is installed",
+            m.install_ready.clone(),
+        );
+        registry.register(
+            "istio_cni_repair_pods_repaired",
+            "Pods repaired",
+            m.pods_repaired.clone(),
+        );
+        registry.register(
+            "nodeagent_reconcile_events",
+            "Pod and namespace events processed",
+            m.reconcile_events.clone(),
+        );
+        registry.register(
+            "ztunnel_connected",
+            "Connected ztunnels",
+            m.ztunnel_connected.clone(),
+        );
+        registry.register(
+            "istio_cni_plugin_requests",
+            "CNI plugin events handled",
+            m.plugin_requests.clone(),
+        );
+        registry.register(
+            "istio_cni_add_duration_seconds",
+            "Ambient CNI ADD handled by the agent",
+            m.cni_add_seconds.clone(),
+        );
+        registry.register(
+            "istio_cni_netns_resolve_duration_seconds",
+            "Pod netns open or discovery",
+            m.netns_resolve_seconds.clone(),
+        );
+        registry.register(
+            "istio_cni_rule_apply_duration_seconds",
+            "In-pod routes and rules applied",
+            m.rule_apply_seconds.clone(),
+        );
+        registry.register(
+            "istio_cni_zds_ack_duration_seconds",
+            "ZDS request to ztunnel ack",
+            m.zds_ack_seconds.clone(),
+        );
+        registry.register(
+            "istio_cni_event_to_enrolled_duration_seconds",
+            "Pod event seen to pod enrolled and annotated",
+            m.event_to_enrolled_seconds.clone(),
+        );
+        m
+    }
+}
+
+/// Records a duration into a histogram in seconds.
+pub fn observe(h: &Histogram, d: Duration) {
+    h.observe(d.as_secs_f64());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::encoding::text::encode;
+
+    #[test]
+    fn exports_istio_metric_names() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        m.installs
+            .get_or_create(&ResultLabel {
+                result: "SUCCESS".into(),
+            })
+            .inc();
+        m.install_ready.set(1);
+        m.pods_repaired
+            .get_or_create(&RepairLabels {
+                r#type: "repair".into(),
+                result: "success".into(),
+            })
+            .inc();
+        m.reconcile_events
+            .get_or_create(&TypeLabel {
+                r#type: "update".into(),
+            })
+            .inc();
+        m.ztunnel_connected.set(2);
+        m.plugin_requests
+            .get_or_create(&ResponseCodeLabel {
+                response_code: "200".into(),
+            })
+            .inc();
+        observe(&m.zds_ack_seconds, Duration::from_micros(80));
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        for line in [
+            "istio_cni_installs_total{result=\"SUCCESS\"} 1",
+            "istio_cni_install_ready 1",
+            "istio_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1",
+            "nodeagent_reconcile_events_total{type=\"update\"} 1",
+            "ztunnel_connected 2",
+            "istio_cni_plugin_requests_total{response_code=\"200\"} 1",
+            "istio_cni_zds_ack_duration_seconds_count 1",
+            "istio_cni_zds_ack_duration_seconds_bucket{le=\"0.0001\"} 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in:\n{text}"
+            );
+        }
+    }
+}
