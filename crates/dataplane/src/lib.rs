@@ -4,4 +4,5 @@
 pub mod inpod;
 pub mod netlink;
 pub mod netns;
+pub mod routes;
 pub mod test_support;

@@ -1,0 +1,441 @@
+//! Policy routing in a pod namespace: replies to connections ztunnel injected (connmark 0x111,
+//! restored onto the packet mark) are looked up in table 100, whose only route delivers
+//! everything locally, so they return to ztunnel's transparent socket instead of leaving the pod.
+//!
+//! Equivalent to `ip route replace local 0.0.0.0/0 dev lo table 100` and
+//! `ip rule add fwmark 0x111/0xfff pref 32764 lookup 100` (and the IPv6 pair), over netlink.
+
+use cni_core::redirect::consts::{MARK_MASK, ROUTE_TABLE, RULE_PRIORITY, TPROXY_MARK};
+use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
+use netlink_packet_route::link::{LinkAttribute, LinkMessage};
+use netlink_packet_route::route::{
+    RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
+};
+use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
+use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+use netlink_sys::constants::NETLINK_ROUTE;
+
+use crate::netlink::{NetlinkError, NetlinkSocket};
+use crate::netns::{Netns, NetnsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouteError {
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    #[error("{what}: {source}")]
+    Netlink {
+        what: String,
+        #[source]
+        source: NetlinkError,
+    },
+    #[error("no loopback interface in the namespace")]
+    NoLoopback,
+    #[error("{}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
+    Many(Vec<RouteError>),
+}
+
+/// One piece of the policy routing, readable in drift reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum RoutePiece {
+    LocalRouteV4,
+    LocalRouteV6,
+    MarkRuleV4,
+    MarkRuleV6,
+}
+
+impl std::fmt::Display for RoutePiece {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (m, mm, t, p) = (TPROXY_MARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY);
+        match self {
+            RoutePiece::LocalRouteV4 => write!(f, "ip route local 0.0.0.0/0 dev lo table {t}"),
+            RoutePiece::LocalRouteV6 => write!(f, "ip -6 route local ::/0 dev lo table {t}"),
+            RoutePiece::MarkRuleV4 => {
+                write!(f, "ip rule fwmark {m:#x}/{mm:#x} lookup {t} pref {p}")
+            }
+            RoutePiece::MarkRuleV6 => {
+                write!(f, "ip -6 rule fwmark {m:#x}/{mm:#x} lookup {t} pref {p}")
+            }
+        }
+    }
+}
+
+/// The pieces `ipv6` asks for, given whether IPv6 is enabled on the namespace's `lo`.
+pub fn desired(ipv6: bool, lo_ipv6: bool) -> Vec<RoutePiece> {
+    let mut out = vec![RoutePiece::LocalRouteV4, RoutePiece::MarkRuleV4];
+    if ipv6 {
+        if lo_ipv6 {
+            out.push(RoutePiece::LocalRouteV6);
+        }
+        out.push(RoutePiece::MarkRuleV6);
+    }
+    out.sort();
+    out
+}
+
+/// Whether the calling thread's namespace has IPv6 on `lo`. Read errors count as enabled, as in
+/// Istio (the route add then reports the real problem).
+fn lo_ipv6_enabled() -> bool {
+    std::fs::read_to_string("/proc/sys/net/ipv6/conf/lo/disable_ipv6")
+        .map(|s| s.trim() != "1")
+        .unwrap_or(true)
+}
+
+/// Installs the pieces `ipv6` asks for in `netns`. Idempotent: present pieces are left alone.
+pub fn apply(netns: &Netns, ipv6: bool) -> Result<(), RouteError> {
+    netns.run(|| {
+        let mut sock = open()?;
+        let lo = loopback_index(&mut sock)?;
+        for piece in desired(ipv6, lo_ipv6_enabled()) {
+            add(&mut sock, piece, lo)?;
+        }
+        Ok(())
+    })?
+}
+
+/// Removes every piece (both families; absent ones are fine). All are attempted; failures are
+/// joined.
+pub fn remove(netns: &Netns) -> Result<(), RouteError> {
+    netns.run(|| {
+        let mut sock = open()?;
+        let lo = loopback_index(&mut sock)?;
+        let mut errs = Vec::new();
+        for piece in [
+            RoutePiece::MarkRuleV4,
+            RoutePiece::MarkRuleV6,
+            RoutePiece::LocalRouteV4,
+            RoutePiece::LocalRouteV6,
+        ] {
+            if let Err(e) = del(&mut sock, piece, lo) {
+                errs.push(e);
+            }
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(RouteError::Many(errs))
+        }
+    })?
+}
+
+/// What is installed now, and what `apply(ipv6)` would install.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RouteState {
+    pub present: Vec<RoutePiece>,
+    pub desired: Vec<RoutePiece>,
+}
+
+impl RouteState {
+    pub fn missing(&self) -> Vec<RoutePiece> {
+        self.desired
+            .iter()
+            .filter(|p| !self.present.contains(p))
+            .copied()
+            .collect()
+    }
+
+    pub fn unexpected(&self) -> Vec<RoutePiece> {
+        self.present
+            .iter()
+            .filter(|p| !self.desired.contains(p))
+            .copied()
+            .collect()
+    }
+}
+
+/// Reads the pieces back (exact match on table, type, mark, mask and priority).
+pub fn read(netns: &Netns, ipv6: bool) -> Result<RouteState, RouteError> {
+    netns.run(|| {
+        let mut sock = open()?;
+        let lo = loopback_index(&mut sock)?;
+        let mut present = Vec::new();
+        for (family, route, rule) in [
+            (
+                AddressFamily::Inet,
+                RoutePiece::LocalRouteV4,
+                RoutePiece::MarkRuleV4,
+            ),
+            (
+                AddressFamily::Inet6,
+                RoutePiece::LocalRouteV6,
+                RoutePiece::MarkRuleV6,
+            ),
+        ] {
+            let mut msg = RouteMessage::default();
+            msg.header.address_family = family;
+            let routes = dump(&mut sock, RouteNetlinkMessage::GetRoute(msg), "list routes")?;
+            if routes
+                .iter()
+                .any(|m| matches!(m, RouteNetlinkMessage::NewRoute(r) if is_our_route(r, lo)))
+            {
+                present.push(route);
+            }
+            let mut msg = RuleMessage::default();
+            msg.header.family = family;
+            let rules = dump(&mut sock, RouteNetlinkMessage::GetRule(msg), "list rules")?;
+            if rules
+                .iter()
+                .any(|m| matches!(m, RouteNetlinkMessage::NewRule(r) if is_our_rule(r)))
+            {
+                present.push(rule);
+            }
+        }
+        present.sort();
+        Ok(RouteState {
+            present,
+            desired: desired(ipv6, lo_ipv6_enabled()),
+        })
+    })?
+}
+
+fn open() -> Result<NetlinkSocket, RouteError> {
+    NetlinkSocket::open(NETLINK_ROUTE).map_err(|source| RouteError::Netlink {
+        what: "open rtnetlink".into(),
+        source,
+    })
+}
+
+fn dump(
+    sock: &mut NetlinkSocket,
+    msg: RouteNetlinkMessage,
+    what: &str,
+) -> Result<Vec<RouteNetlinkMessage>, RouteError> {
+    // A concurrent change makes the kernel flag the dump; a few retries always get a clean one.
+    let mut last = None;
+    for _ in 0..5 {
+        match sock.dump(msg.clone()) {
+            Ok(v) => return Ok(v),
+            Err(NetlinkError::DumpInterrupted) => last = Some(NetlinkError::DumpInterrupted),
+            Err(source) => {
+                return Err(RouteError::Netlink {
+                    what: what.into(),
+                    source,
+                });
+            }
+        }
+    }
+    Err(RouteError::Netlink {
+        what: what.into(),
+        source: last.expect("loop ran"),
+    })
+}
+
+fn loopback_index(sock: &mut NetlinkSocket) -> Result<u32, RouteError> {
+    let links = dump(
+        sock,
+        RouteNetlinkMessage::GetLink(LinkMessage::default()),
+        "list links",
+    )?;
+    links
+        .iter()
+        .find_map(|m| match m {
+            RouteNetlinkMessage::NewLink(l)
+                if l.attributes
+                    .iter()
+                    .any(|a| matches!(a, LinkAttribute::IfName(n) if n == "lo")) =>
+            {
+                Some(l.header.index)
+            }
+            _ => None,
+        })
+        .ok_or(RouteError::NoLoopback)
+}
+
+fn route_msg(family: AddressFamily, lo: u32) -> RouteMessage {
+    let mut msg = RouteMessage::default();
+    msg.header.address_family = family;
+    msg.header.table = ROUTE_TABLE as u8;
+    msg.header.protocol = RouteProtocol::Boot;
+    msg.header.scope = RouteScope::Host;
+    msg.header.kind = RouteType::Local;
+    msg.attributes = vec![RouteAttribute::Table(ROUTE_TABLE), RouteAttribute::Oif(lo)];
+    msg
+}
+
+fn rule_msg(family: AddressFamily) -> RuleMessage {
+    let mut msg = RuleMessage::default();
+    msg.header.family = family;
+    msg.header.table = ROUTE_TABLE as u8;
+    msg.header.action = RuleAction::ToTable;
+    msg.attributes = vec![
+        RuleAttribute::Table(ROUTE_TABLE),
+        RuleAttribute::FwMark(TPROXY_MARK),
+        RuleAttribute::FwMask(MARK_MASK),
+        RuleAttribute::Priority(RULE_PRIORITY),
+    ];
+    msg
+}
+
+fn is_our_route(r: &RouteMessage, lo: u32) -> bool {
+    let table = r
+        .attributes
+        .iter()
+        .find_map(|a| {
+            if let RouteAttribute::Table(t) = a {
+                Some(*t)
+            } else {
+                None
+            }
+        })
+        .unwrap_or(u32::from(r.header.table));
+    table == ROUTE_TABLE
+        && r.header.kind == RouteType::Local
+        && r.header.destination_prefix_length == 0
+        && r.attributes.contains(&RouteAttribute::Oif(lo))
+}
+
+fn is_our_rule(r: &RuleMessage) -> bool {
+    let has = |want: RuleAttribute| r.attributes.contains(&want);
+    let table = r
+        .attributes
+        .iter()
+        .find_map(|a| {
+            if let RuleAttribute::Table(t) = a {
+                Some(*t)
+            } else {
+                None
+            }
+        })
+        .unwrap_or(u32::from(r.header.table));
+    table == ROUTE_TABLE
+        && has(RuleAttribute::FwMark(TPROXY_MARK))
+        && has(RuleAttribute::FwMask(MARK_MASK))
+        && has(RuleAttribute::Priority(RULE_PRIORITY))
+}
+
+fn family_of(piece: RoutePiece) -> AddressFamily {
+    match piece {
+        RoutePiece::LocalRouteV4 | RoutePiece::MarkRuleV4 => AddressFamily::Inet,
+        RoutePiece::LocalRouteV6 | RoutePiece::MarkRuleV6 => AddressFamily::Inet6,
+    }
+}
+
+fn add(sock: &mut NetlinkSocket, piece: RoutePiece, lo: u32) -> Result<(), RouteError> {
+    let family = family_of(piece);
+    let result = match piece {
+        RoutePiece::LocalRouteV4 | RoutePiece::LocalRouteV6 => sock.request(
+            RouteNetlinkMessage::NewRoute(route_msg(family, lo)),
+            NLM_F_CREATE | NLM_F_REPLACE,
+        ),
+        // Rules have no REPLACE semantics; EXCL turns a duplicate into EEXIST, which means done.
+        RoutePiece::MarkRuleV4 | RoutePiece::MarkRuleV6 => {
+            match sock.request(
+                RouteNetlinkMessage::NewRule(rule_msg(family)),
+                NLM_F_CREATE | NLM_F_EXCL,
+            ) {
+                Err(e) if e.errno() == Some(libc::EEXIST) => Ok(()),
+                other => other,
+            }
+        }
+    };
+    result.map_err(|source| RouteError::Netlink {
+        what: format!("add {piece}"),
+        source,
+    })
+}
+
+fn del(sock: &mut NetlinkSocket, piece: RoutePiece, lo: u32) -> Result<(), RouteError> {
+    let family = family_of(piece);
+    let result = match piece {
+        RoutePiece::LocalRouteV4 | RoutePiece::LocalRouteV6 => {
+            sock.request(RouteNetlinkMessage::DelRoute(route_msg(family, lo)), 0)
+        }
+        RoutePiece::MarkRuleV4 | RoutePiece::MarkRuleV6 => {
+            sock.request(RouteNetlinkMessage::DelRule(rule_msg(family)), 0)
+        }
+    };
+    match result {
+        // Already gone, or the family is disabled in this namespace: nothing to remove.
+        Err(e)
+            if matches!(
+                e.errno(),
+                Some(libc::ENOENT | libc::ESRCH | libc::EAFNOSUPPORT)
+            ) =>
+        {
+            Ok(())
+        }
+        other => other.map_err(|source| RouteError::Netlink {
+            what: format!("delete {piece}"),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::TestNetns;
+
+    fn rule_lines(ns: &TestNetns, family: &str) -> Vec<String> {
+        ns.exec("ip", &[family, "rule", "show"])
+            .lines()
+            .filter(|l| l.contains("fwmark 0x111/0xfff"))
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn apply_is_idempotent_and_remove_leaves_nothing() {
+        crate::require_root!();
+        let ns = TestNetns::new("routes");
+        let netns = ns.open();
+        apply(&netns, true).unwrap();
+        apply(&netns, true).unwrap();
+
+        let v4 = rule_lines(&ns, "-4");
+        assert_eq!(v4.len(), 1, "{v4:?}");
+        assert!(
+            v4[0].starts_with("32764:") && v4[0].contains("lookup 100"),
+            "{v4:?}"
+        );
+        assert_eq!(rule_lines(&ns, "-6").len(), 1);
+        let routes = ns.exec("ip", &["route", "show", "table", "100"]);
+        assert!(
+            routes.contains("local default dev lo scope host"),
+            "{routes}"
+        );
+        let routes6 = ns.exec("ip", &["-6", "route", "show", "table", "100"]);
+        assert!(routes6.contains("local default dev lo"), "{routes6}");
+
+        let state = read(&netns, true).unwrap();
+        assert!(
+            state.missing().is_empty() && state.unexpected().is_empty(),
+            "{state:?}"
+        );
+        // Asking for v4 only makes the v6 pieces unexpected.
+        let state = read(&netns, false).unwrap();
+        assert_eq!(
+            state.unexpected(),
+            [RoutePiece::LocalRouteV6, RoutePiece::MarkRuleV6]
+        );
+
+        remove(&netns).unwrap();
+        remove(&netns).unwrap();
+        assert!(rule_lines(&ns, "-4").is_empty() && rule_lines(&ns, "-6").is_empty());
+        assert_eq!(ns.exec("ip", &["route", "show", "table", "100"]).trim(), "");
+        assert_eq!(
+            ns.exec("ip", &["-6", "route", "show", "table", "100"])
+                .trim(),
+            ""
+        );
+        assert_eq!(read(&netns, true).unwrap().present, []);
+    }
+
+    #[test]
+    fn v6_route_skipped_when_lo_has_ipv6_disabled() {
+        crate::require_root!();
+        let ns = TestNetns::new("routes6off");
+        ns.exec("sysctl", &["-qw", "net.ipv6.conf.lo.disable_ipv6=1"]);
+        let netns = ns.open();
+        apply(&netns, true).unwrap();
+        let state = read(&netns, true).unwrap();
+        assert_eq!(
+            state.desired,
+            [
+                RoutePiece::LocalRouteV4,
+                RoutePiece::MarkRuleV4,
+                RoutePiece::MarkRuleV6
+            ]
+        );
+        assert!(state.missing().is_empty(), "{state:?}");
+    }
+}
