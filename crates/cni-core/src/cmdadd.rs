@@ -1,0 +1,463 @@
+//! The plugin → agent protocol: what the `istio-cni` plugin asks the node agent during CNI ADD.
+//!
+//! Transport: HTTP/1.1 over the unix stream socket `<cni_agent_run_dir>/pluginevent.sock`
+//! (requests carry `Host: unix`, a `Content-Length` body and `Connection: close`). The plugin gives
+//! the whole exchange 5 s.
+//!
+//! Two endpoints share that socket:
+//!
+//! - `POST /v1/cmdadd` (ours). Body: Istio's `/cmdadd` body plus `PodUID` and `ContainerID`.
+//!   The agent answers 200 with a JSON decision:
+//!   - `{"decision":"enrolled"}`: the pod is redirected and ztunnel acked it;
+//!   - `{"decision":"not-ambient","reason":"..."}`: the pod is not for the ambient mesh;
+//!   - `{"decision":"sidecar","pod":{...}}`: a sidecar pod, with the Pod object the agent saw
+//!     (the plugin will program sidecar rules from it; until then it lets the pod through).
+//!
+//!   Any other status fails the ADD with the response body (fail closed): the runtime retries
+//!   the sandbox. A 404 means the agent predates this endpoint (Istio's own agent); the plugin then
+//!   decides ambient membership itself from the API server and uses `/cmdadd`.
+//! - `POST /cmdadd` (Istio's). Body exactly as Istio's plugin sends it:
+//!   `{"Netns":"/var/run/netns/cni-1234","PodName":"web-0","PodNamespace":"default",
+//!   "IPs":[{"Interface":0,"Address":{"IP":"10.244.1.5","Mask":"////AA=="},"Gateway":"10.244.1.1"}]}`
+//!   (Go's default field names; `Address` is a Go `net.IPNet`, so `Mask` is the base64 of the raw
+//!   mask bytes; `IPs` is `null` when the previous result had none). 200 with an empty body is
+//!   success, anything else is an error whose body is the reason.
+//!
+//! Log forwarding uses a second socket, `<cni_agent_run_dir>/log.sock`: `POST /log` with a JSON
+//! array of strings, each one JSON log record.
+
+use std::net::IpAddr;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::cni::error::go_html_escape;
+pub use crate::cni::result::IpConfig;
+
+/// The agent's CNI event socket, in the run dir.
+pub const EVENT_SOCKET: &str = "pluginevent.sock";
+/// The agent's log socket, in the run dir.
+pub const LOG_SOCKET: &str = "log.sock";
+/// The kubeconfig the installer writes for the plugin, in the run dir.
+pub const KUBECONFIG_FILE: &str = "istio-cni-kubeconfig";
+/// Our decision endpoint.
+pub const V1_CMDADD_PATH: &str = "/v1/cmdadd";
+/// Istio's event endpoint.
+pub const ISTIO_CMDADD_PATH: &str = "/cmdadd";
+/// Log forwarding endpoint on [`LOG_SOCKET`].
+pub const LOG_PATH: &str = "/log";
+
+/// One CNI ADD as the agent needs it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CmdAddRequest {
+    pub netns: String,
+    pub pod_name: String,
+    pub pod_namespace: String,
+    /// From the previous plugin's result; preferred over pod status, which is still empty here.
+    pub ips: Vec<IpConfig>,
+    pub pod_uid: String,
+    pub container_id: String,
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CmdAddError {
+    #[error("invalid cmdadd body: {0}")]
+    Json(String),
+    #[error("invalid cmdadd body: {field} must be {want}")]
+    Field {
+        field: &'static str,
+        want: &'static str,
+    },
+    #[error("invalid cmdadd body: bad IP {0:?}")]
+    Ip(String),
+    #[error("invalid cmdadd body: bad mask for {0}")]
+    Mask(String),
+}
+
+impl CmdAddRequest {
+    /// Istio's `/cmdadd` body, byte for byte as Go's `json.Marshal` produces it.
+    pub fn to_istio_json(&self) -> Vec<u8> {
+        self.go_body(false)
+    }
+
+    /// The `/v1/cmdadd` body: Istio's keys first, then ours.
+    pub fn to_v1_json(&self) -> Vec<u8> {
+        self.go_body(true)
+    }
+
+    fn go_body(&self, ours: bool) -> Vec<u8> {
+        let body = GoBody {
+            netns: &self.netns,
+            pod_name: &self.pod_name,
+            pod_namespace: &self.pod_namespace,
+            ips: (!self.ips.is_empty()).then(|| self.ips.iter().map(GoIpConfig::from).collect()),
+            pod_uid: ours.then_some(self.pod_uid.as_str()),
+            container_id: ours.then_some(self.container_id.as_str()),
+        };
+        go_html_escape(serde_json::to_vec(&body).expect("in memory"))
+    }
+
+    /// Parses either body. Keys match case-insensitively, as Go's decoder (Istio's agent) does,
+    /// so any Go client's spelling is accepted.
+    pub fn from_json(body: &[u8]) -> Result<CmdAddRequest, CmdAddError> {
+        let v: Value =
+            serde_json::from_slice(body).map_err(|e| CmdAddError::Json(e.to_string()))?;
+        let obj = v.as_object().ok_or(CmdAddError::Field {
+            field: "body",
+            want: "an object",
+        })?;
+        let string = |field: &'static str| -> Result<String, CmdAddError> {
+            match get_ci(obj, field) {
+                None | Some(Value::Null) => Ok(String::new()),
+                Some(Value::String(s)) => Ok(s.clone()),
+                Some(_) => Err(CmdAddError::Field {
+                    field,
+                    want: "a string",
+                }),
+            }
+        };
+        let ips = match get_ci(obj, "IPs") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(parse_go_ip_config)
+                .collect::<Result<_, _>>()?,
+            Some(_) => {
+                return Err(CmdAddError::Field {
+                    field: "IPs",
+                    want: "an array",
+                });
+            }
+        };
+        Ok(CmdAddRequest {
+            netns: string("Netns")?,
+            pod_name: string("PodName")?,
+            pod_namespace: string("PodNamespace")?,
+            ips,
+            pod_uid: string("PodUID")?,
+            container_id: string("ContainerID")?,
+        })
+    }
+}
+
+/// The agent's answer on `/v1/cmdadd` (status 200).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "decision", rename_all = "kebab-case")]
+pub enum CmdAddResponse {
+    Enrolled,
+    NotAmbient {
+        #[serde(default)]
+        reason: String,
+    },
+    /// The Pod as Kubernetes JSON.
+    Sidecar {
+        pod: Value,
+    },
+}
+
+/// Field order and names of Istio's Go structs (`CNIPluginAddEvent`, `IPConfig`, `net.IPNet`),
+/// which `encoding/json` emits in declaration order.
+#[derive(Serialize)]
+struct GoBody<'a> {
+    #[serde(rename = "Netns")]
+    netns: &'a str,
+    #[serde(rename = "PodName")]
+    pod_name: &'a str,
+    #[serde(rename = "PodNamespace")]
+    pod_namespace: &'a str,
+    #[serde(rename = "IPs")]
+    ips: Option<Vec<GoIpConfig>>,
+    #[serde(rename = "PodUID", skip_serializing_if = "Option::is_none")]
+    pod_uid: Option<&'a str>,
+    #[serde(rename = "ContainerID", skip_serializing_if = "Option::is_none")]
+    container_id: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct GoIpConfig {
+    #[serde(rename = "Interface")]
+    interface: Option<i64>,
+    #[serde(rename = "Address")]
+    address: GoIpNet,
+    #[serde(rename = "Gateway")]
+    gateway: String,
+}
+
+#[derive(Serialize)]
+struct GoIpNet {
+    #[serde(rename = "IP")]
+    ip: String,
+    #[serde(rename = "Mask")]
+    mask: String,
+}
+
+impl From<&IpConfig> for GoIpConfig {
+    fn from(ip: &IpConfig) -> Self {
+        let mask: Vec<u8> = match ip.address.netmask() {
+            IpAddr::V4(m) => m.octets().to_vec(),
+            IpAddr::V6(m) => m.octets().to_vec(),
+        };
+        GoIpConfig {
+            interface: ip.interface,
+            address: GoIpNet {
+                ip: ip.address.addr().to_string(),
+                mask: BASE64.encode(mask),
+            },
+            gateway: ip.gateway.map(|g| g.to_string()).unwrap_or_default(),
+        }
+    }
+}
+
+fn parse_go_ip_config(v: &Value) -> Result<IpConfig, CmdAddError> {
+    let obj = v.as_object().ok_or(CmdAddError::Field {
+        field: "IPs[]",
+        want: "an object",
+    })?;
+    let interface = match get_ci(obj, "Interface") {
+        None | Some(Value::Null) => None,
+        Some(n) => Some(n.as_i64().ok_or(CmdAddError::Field {
+            field: "Interface",
+            want: "an integer",
+        })?),
+    };
+    let empty = Map::new();
+    let address = match get_ci(obj, "Address") {
+        None | Some(Value::Null) => &empty,
+        Some(Value::Object(a)) => a,
+        Some(_) => {
+            return Err(CmdAddError::Field {
+                field: "Address",
+                want: "an object",
+            });
+        }
+    };
+    let ip_text = get_ci(address, "IP")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let ip = unmap(
+        ip_text
+            .parse::<IpAddr>()
+            .map_err(|_| CmdAddError::Ip(ip_text.to_owned()))?,
+    );
+    let mask = match get_ci(address, "Mask").and_then(Value::as_str) {
+        None | Some("") => None,
+        Some(m) => Some(
+            BASE64
+                .decode(m)
+                .map_err(|_| CmdAddError::Mask(ip.to_string()))?,
+        ),
+    };
+    let prefix = match mask {
+        None => {
+            if ip.is_ipv4() {
+                32
+            } else {
+                128
+            }
+        }
+        Some(bytes) => {
+            mask_prefix(&bytes, ip.is_ipv4()).ok_or_else(|| CmdAddError::Mask(ip.to_string()))?
+        }
+    };
+    let address = IpNet::new(ip, prefix).map_err(|_| CmdAddError::Mask(ip.to_string()))?;
+    let gateway = match get_ci(obj, "Gateway").and_then(Value::as_str) {
+        None | Some("") => None,
+        Some(g) => Some(unmap(
+            g.parse::<IpAddr>()
+                .map_err(|_| CmdAddError::Ip(g.to_owned()))?,
+        )),
+    };
+    Ok(IpConfig {
+        interface,
+        address,
+        gateway,
+    })
+}
+
+/// IPv4-mapped IPv6 addresses are IPv4 addresses (Go stores IPv4 in 16 bytes).
+fn unmap(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// Prefix length of a contiguous mask; a 16-byte mask on an IPv4 address uses its last 4 bytes.
+fn mask_prefix(bytes: &[u8], v4: bool) -> Option<u8> {
+    let bytes = match (v4, bytes.len()) {
+        (true, 4) | (false, 16) => bytes,
+        (true, 16) => &bytes[12..],
+        _ => return None,
+    };
+    let ones: u32 = bytes.iter().map(|b| b.count_ones()).sum();
+    let bits = bytes
+        .iter()
+        .fold(0u128, |acc, b| (acc << 8) | u128::from(*b));
+    let width = bytes.len() as u32 * 8;
+    let expected = if ones == 0 {
+        0
+    } else {
+        (!0u128 >> (128 - width)) ^ ((1u128 << (width - ones)) - 1)
+    };
+    (bits == expected).then_some(ones as u8)
+}
+
+/// Go's decoder prefers an exact key and falls back to a case-insensitive match.
+fn get_ci<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    obj.get(key).or_else(|| {
+        obj.iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+            .map(|(_, v)| v)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CmdAddRequest {
+        CmdAddRequest {
+            netns: "/var/run/netns/cni-1234".into(),
+            pod_name: "web-0".into(),
+            pod_namespace: "default".into(),
+            ips: vec![IpConfig {
+                interface: Some(0),
+                address: "10.244.1.5/24".parse().unwrap(),
+                gateway: Some("10.244.1.1".parse().unwrap()),
+            }],
+            pod_uid: "863b91d4-4b68-4efa-917f-4b560e3e86aa".into(),
+            container_id: "abc123".into(),
+        }
+    }
+
+    #[test]
+    fn istio_body_golden() {
+        assert_eq!(
+            String::from_utf8(sample().to_istio_json()).unwrap(),
+            r#"{"Netns":"/var/run/netns/cni-1234","PodName":"web-0","PodNamespace":"default","IPs":[{"Interface":0,"Address":{"IP":"10.244.1.5","Mask":"////AA=="},"Gateway":"10.244.1.1"}]}"#
+        );
+        let none = CmdAddRequest {
+            ips: vec![],
+            ..sample()
+        };
+        assert_eq!(
+            String::from_utf8(none.to_istio_json()).unwrap(),
+            r#"{"Netns":"/var/run/netns/cni-1234","PodName":"web-0","PodNamespace":"default","IPs":null}"#
+        );
+    }
+
+    #[test]
+    fn istio_body_ipv6_and_missing_parts() {
+        let r = CmdAddRequest {
+            ips: vec![IpConfig {
+                interface: None,
+                address: "fd00:10:244::5/64".parse().unwrap(),
+                gateway: None,
+            }],
+            ..sample()
+        };
+        let body = String::from_utf8(r.to_istio_json()).unwrap();
+        assert!(
+            body.ends_with(r#""IPs":[{"Interface":null,"Address":{"IP":"fd00:10:244::5","Mask":"//////////8AAAAAAAAAAA=="},"Gateway":""}]}"#),
+            "{body}"
+        );
+    }
+
+    #[test]
+    fn v1_body_appends_our_keys_and_round_trips() {
+        let body = String::from_utf8(sample().to_v1_json()).unwrap();
+        assert!(
+            body.ends_with(r#""Gateway":"10.244.1.1"}],"PodUID":"863b91d4-4b68-4efa-917f-4b560e3e86aa","ContainerID":"abc123"}"#),
+            "{body}"
+        );
+        assert_eq!(CmdAddRequest::from_json(body.as_bytes()).unwrap(), sample());
+        let istio = CmdAddRequest::from_json(&sample().to_istio_json()).unwrap();
+        assert_eq!(
+            istio,
+            CmdAddRequest {
+                pod_uid: String::new(),
+                container_id: String::new(),
+                ..sample()
+            }
+        );
+    }
+
+    #[test]
+    fn parses_like_go() {
+        // Lower-case keys, a 16-byte mask on an IPv4-mapped address, no mask at all.
+        let body = br#"{"netns":"/n","podname":"p","PODNAMESPACE":"ns","ips":[
+            {"interface":1,"address":{"ip":"::ffff:10.0.0.7","mask":"/////////////////wAA/w=="}},
+            {"Address":{"IP":"10.0.0.8"}}]}"#;
+        let r = CmdAddRequest::from_json(body).unwrap_err();
+        assert_eq!(r, CmdAddError::Mask("10.0.0.7".into()));
+        let body = br#"{"netns":"/n","podname":"p","PODNAMESPACE":"ns","ips":[
+            {"interface":1,"address":{"ip":"::ffff:10.0.0.7","mask":"/////////////////////w=="}},
+            {"Address":{"IP":"10.0.0.8"}}]}"#;
+        let r = CmdAddRequest::from_json(body).unwrap();
+        assert_eq!(
+            (
+                r.netns.as_str(),
+                r.pod_name.as_str(),
+                r.pod_namespace.as_str()
+            ),
+            ("/n", "p", "ns")
+        );
+        assert_eq!(r.ips[0].address.to_string(), "10.0.0.7/32");
+        assert_eq!(r.ips[0].interface, Some(1));
+        assert_eq!(r.ips[1].address.to_string(), "10.0.0.8/32");
+        assert!(matches!(
+            CmdAddRequest::from_json(b"{"),
+            Err(CmdAddError::Json(_))
+        ));
+        assert!(matches!(
+            CmdAddRequest::from_json(br#"{"IPs":{}}"#),
+            Err(CmdAddError::Field { .. })
+        ));
+        assert!(matches!(
+            CmdAddRequest::from_json(br#"{"IPs":[{"Address":{"IP":"x"}}]}"#),
+            Err(CmdAddError::Ip(_))
+        ));
+    }
+
+    #[test]
+    fn masks() {
+        assert_eq!(mask_prefix(&[255, 255, 255, 0], true), Some(24));
+        assert_eq!(mask_prefix(&[0, 0, 0, 0], true), Some(0));
+        assert_eq!(mask_prefix(&[255, 0, 255, 0], true), None);
+        assert_eq!(mask_prefix(&[255; 16], false), Some(128));
+        assert_eq!(mask_prefix(&[255; 3], true), None);
+    }
+
+    #[test]
+    fn responses() {
+        let cases = [
+            (CmdAddResponse::Enrolled, r#"{"decision":"enrolled"}"#),
+            (
+                CmdAddResponse::NotAmbient {
+                    reason: "no selector matches".into(),
+                },
+                r#"{"decision":"not-ambient","reason":"no selector matches"}"#,
+            ),
+            (
+                CmdAddResponse::Sidecar {
+                    pod: serde_json::json!({"kind": "Pod"}),
+                },
+                r#"{"decision":"sidecar","pod":{"kind":"Pod"}}"#,
+            ),
+        ];
+        for (resp, json) in cases {
+            assert_eq!(serde_json::to_string(&resp).unwrap(), json);
+            assert_eq!(serde_json::from_str::<CmdAddResponse>(json).unwrap(), resp);
+        }
+        assert_eq!(
+            serde_json::from_str::<CmdAddResponse>(r#"{"decision":"not-ambient"}"#).unwrap(),
+            CmdAddResponse::NotAmbient {
+                reason: String::new()
+            }
+        );
+        assert!(serde_json::from_str::<CmdAddResponse>(r#"{"decision":"maybe"}"#).is_err());
+    }
+}
