@@ -4,7 +4,11 @@
 pub mod cgroup;
 pub mod cmdadd;
 pub mod cni;
+pub mod cmdadd;
+pub mod cni;
 pub mod conflist;
+pub mod enroll;
+pub mod plugin_conf;
 pub mod enroll;
 pub mod plugin_conf;
 pub mod reconcile;
