@@ -4,11 +4,7 @@
 pub mod cgroup;
 pub mod cmdadd;
 pub mod cni;
-pub mod cmdadd;
-pub mod cni;
 pub mod conflist;
-pub mod enroll;
-pub mod plugin_conf;
 pub mod enroll;
 pub mod plugin_conf;
 pub mod reconcile;
