@@ -2,7 +2,9 @@
 //! netlink, runs iptables and touches address sets.
 
 pub mod inpod;
+pub mod iptables;
 pub mod netlink;
 pub mod netns;
+pub mod nft;
 pub mod routes;
 pub mod test_support;

@@ -1,0 +1,441 @@
+//! The iptables backend of [`InpodRules`]: `iptables-restore --noflush` inside the pod netns.
+//!
+//! Every change is one restore transaction per family. Verification compares our chains and the
+//! jumps into them, as `iptables-save` prints them, with a *canonical* form of the desired rules:
+//! the same rules restored once into a scratch namespace and read back with the same tools. That
+//! makes the comparison exact (order, spelling, duplicates) without one `iptables -C` process per
+//! rule, and it holds for both variants and any tool version.
+
+pub mod detect;
+pub mod exec;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cni_core::redirect::InpodConfig;
+use cni_core::redirect::iptables::{
+    CHAIN_PREFIX, Family, ParseError, Rule, TablesState, inpod_rules, jump_target,
+    replace_restore_text, restore_text,
+};
+
+use self::detect::{Binaries, DetectError};
+use self::exec::{ExecError, Runner};
+use crate::inpod::{Drift, InpodRules, RuleError, RuleState};
+use crate::netns::{Netns, NetnsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum IptablesError {
+    #[error(transparent)]
+    Detect(#[from] DetectError),
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error("cannot parse {tool} output: {source}")]
+    Parse { tool: String, source: ParseError },
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    #[error("cannot create a scratch namespace: {0}")]
+    Scratch(String),
+    #[error("cannot create lock directory {path}: {source}")]
+    LockDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{family:?} failed: {source}; rolled back to no rules")]
+    RolledBack {
+        family: Family,
+        #[source]
+        source: Box<IptablesError>,
+    },
+}
+
+impl From<IptablesError> for RuleError {
+    fn from(e: IptablesError) -> Self {
+        match e {
+            IptablesError::Netns(n) => RuleError::Netns(n),
+            other => RuleError::Backend {
+                backend: "iptables",
+                source: Box::new(other),
+            },
+        }
+    }
+}
+
+/// Our part of a table state: `ISTIO_*` chains with their rules, and the rules of other chains
+/// that jump into one, keyed by (table, chain).
+pub type Owned = BTreeMap<(String, String), Vec<String>>;
+
+/// Extracts [`Owned`] from a parsed state.
+pub fn owned(state: &TablesState) -> Owned {
+    let mut out = Owned::new();
+    for (table, chains) in &state.tables {
+        for (chain, rules) in chains {
+            if chain.starts_with(CHAIN_PREFIX) {
+                out.insert((table.clone(), chain.clone()), rules.clone());
+            } else {
+                let jumps: Vec<String> = rules
+                    .iter()
+                    .filter(|r| jump_target(r).is_some_and(|t| t.starts_with(CHAIN_PREFIX)))
+                    .cloned()
+                    .collect();
+                if !jumps.is_empty() {
+                    out.insert((table.clone(), chain.clone()), jumps);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Compares what is installed with the canonical desired state.
+pub fn compare(current: &Owned, desired: &Owned) -> RuleState {
+    if current == desired {
+        return RuleState::InSync;
+    }
+    if current.is_empty() {
+        return RuleState::Absent;
+    }
+    let mut drift = Drift::default();
+    let fmt = |(t, c): &(String, String), r: &str| format!("-t {t} -A {c} {r}");
+    let decl = |(t, c): &(String, String)| format!("-t {t} -N {c}");
+    for (key, want) in desired {
+        match current.get(key) {
+            None => {
+                if key.1.starts_with(CHAIN_PREFIX) {
+                    drift.missing.push(decl(key));
+                }
+                drift.missing.extend(want.iter().map(|r| fmt(key, r)));
+            }
+            Some(have) if have != want => {
+                let mut missing: Vec<&String> = Vec::new();
+                let mut spare: Vec<&String> = have.iter().collect();
+                for r in want {
+                    match spare.iter().position(|h| *h == r) {
+                        Some(i) => {
+                            spare.remove(i);
+                        }
+                        None => missing.push(r),
+                    }
+                }
+                if missing.is_empty() && spare.is_empty() {
+                    // Same rules, different order: show both orders.
+                    drift.missing.extend(want.iter().map(|r| fmt(key, r)));
+                    drift.unexpected.extend(have.iter().map(|r| fmt(key, r)));
+                } else {
+                    drift
+                        .missing
+                        .extend(missing.into_iter().map(|r| fmt(key, r)));
+                    drift
+                        .unexpected
+                        .extend(spare.into_iter().map(|r| fmt(key, r)));
+                }
+            }
+            Some(_) => {}
+        }
+    }
+    for (key, have) in current {
+        if !desired.contains_key(key) {
+            if key.1.starts_with(CHAIN_PREFIX) {
+                drift.unexpected.push(decl(key));
+            }
+            drift.unexpected.extend(have.iter().map(|r| fmt(key, r)));
+        }
+    }
+    RuleState::Drifted(drift)
+}
+
+/// Drives one detected iptables variant.
+pub struct IptablesBackend {
+    bins: Binaries,
+    lock_dir: Option<PathBuf>,
+    canonical: Mutex<HashMap<(Family, String), Arc<Owned>>>,
+}
+
+/// Where per-pod xtables lock files live when the variant supports them.
+pub const DEFAULT_LOCK_DIR: &str = "/run/istio-cni-rs/xtables";
+
+impl IptablesBackend {
+    /// Detects the variant in the calling thread's namespace (the host). `force` is the value of
+    /// `FORCE_IPTABLES_BINARY`.
+    pub fn detect(force: Option<&str>, ipv6: bool) -> Result<Self, IptablesError> {
+        Ok(Self::new(
+            detect::detect(force, ipv6)?,
+            Some(PathBuf::from(DEFAULT_LOCK_DIR)),
+        ))
+    }
+
+    /// `lock_dir`: per-namespace lock files for legacy >= 1.8.6 (`None`: the global xtables lock).
+    pub fn new(bins: Binaries, lock_dir: Option<PathBuf>) -> Self {
+        IptablesBackend {
+            bins,
+            lock_dir,
+            canonical: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn binaries(&self) -> &Binaries {
+        &self.bins
+    }
+
+    fn runner<'a>(
+        &'a self,
+        netns: &'a Netns,
+        scoped_lock: bool,
+    ) -> Result<Runner<'a>, IptablesError> {
+        let lock_file = match (&self.lock_dir, scoped_lock && self.bins.scoped_lock()) {
+            (Some(dir), true) => {
+                create_lock_dir(dir)?;
+                let id = netns.id();
+                Some(dir.join(format!("xtables-{}-{}.lock", id.dev, id.ino)))
+            }
+            _ => None,
+        };
+        Ok(Runner {
+            bins: &self.bins,
+            netns,
+            lock_file,
+        })
+    }
+
+    fn save(&self, runner: &Runner<'_>, family: Family) -> Result<TablesState, IptablesError> {
+        let tool = self.bins.tool(family == Family::V6, "-save");
+        let text = runner.run(family == Family::V6, "-save", &[], None)?;
+        TablesState::parse(&text).map_err(|source| IptablesError::Parse { tool, source })
+    }
+
+    fn restore(
+        &self,
+        runner: &Runner<'_>,
+        family: Family,
+        text: &str,
+    ) -> Result<(), IptablesError> {
+        tracing::debug!(family = ?family, "iptables-restore --noflush:\n{text}");
+        runner.run(family == Family::V6, "-restore", &["--noflush"], Some(text))?;
+        Ok(())
+    }
+
+    /// The desired rules as this variant's `-save` prints them, learnt once per rule set by
+    /// restoring them into a throwaway namespace.
+    fn canonical(&self, family: Family, rules: &[Rule]) -> Result<Arc<Owned>, IptablesError> {
+        if rules.is_empty() {
+            return Ok(Arc::new(Owned::new()));
+        }
+        let text = restore_text(rules);
+        let key = (family, text);
+        if let Some(hit) = self
+            .canonical
+            .lock()
+            .expect("canonical cache poisoned")
+            .get(&key)
+        {
+            return Ok(hit.clone());
+        }
+        let scratch = scratch_netns()?;
+        let runner = self.runner(&scratch, true)?;
+        self.restore(&runner, family, &key.1)?;
+        let learnt = Arc::new(owned(&self.save(&runner, family)?));
+        if let Some(lock) = &runner.lock_file {
+            let _ = std::fs::remove_file(lock);
+        }
+        self.canonical
+            .lock()
+            .expect("canonical cache poisoned")
+            .insert(key, learnt.clone());
+        Ok(learnt)
+    }
+
+    /// State of one family: the parsed save output and its verdict against `rules`. A family
+    /// whose tools fail while nothing is desired (IPv6 off in the kernel) counts as clean.
+    fn family_state(
+        &self,
+        runner: &Runner<'_>,
+        family: Family,
+        rules: &[Rule],
+    ) -> Result<(TablesState, RuleState), IptablesError> {
+        let current = match self.save(runner, family) {
+            Ok(s) => s,
+            Err(_) if rules.is_empty() => return Ok((TablesState::default(), RuleState::InSync)),
+            Err(e) => return Err(e),
+        };
+        let desired = self.canonical(family, rules)?;
+        let verdict = compare(&owned(&current), &desired);
+        Ok((current, verdict))
+    }
+
+    /// Makes `netns` hold exactly `rules_for(family)` for both families. Returns the states seen
+    /// before the change.
+    fn converge(
+        &self,
+        netns: &Netns,
+        scoped_lock: bool,
+        rules_for: impl Fn(Family) -> Vec<Rule>,
+    ) -> Result<Vec<RuleState>, IptablesError> {
+        let runner = self.runner(netns, scoped_lock)?;
+        let mut before = Vec::new();
+        let mut plans = Vec::new();
+        for family in [Family::V4, Family::V6] {
+            let rules = rules_for(family);
+            let (current, verdict) = self.family_state(&runner, family, &rules)?;
+            if verdict != RuleState::InSync {
+                plans.push((family, replace_restore_text(&current, &rules)));
+            }
+            before.push(verdict);
+        }
+        let fresh = before
+            .iter()
+            .all(|s| matches!(s, RuleState::Absent | RuleState::InSync));
+        let mut applied = Vec::new();
+        for (family, text) in plans {
+            if let Err(e) = self.restore(&runner, family, &text) {
+                // A pod that had nothing must not keep half a rule set: undo the families done.
+                if fresh && !applied.is_empty() {
+                    for done in applied {
+                        let state = self.save(&runner, done)?;
+                        let _ = self.restore(&runner, done, &replace_restore_text(&state, &[]));
+                    }
+                    return Err(IptablesError::RolledBack {
+                        family,
+                        source: Box::new(e),
+                    });
+                }
+                return Err(e);
+            }
+            applied.push(family);
+        }
+        Ok(before)
+    }
+
+    fn state(
+        &self,
+        netns: &Netns,
+        scoped_lock: bool,
+        rules_for: impl Fn(Family) -> Vec<Rule>,
+    ) -> Result<RuleState, IptablesError> {
+        let runner = self.runner(netns, scoped_lock)?;
+        let mut states = Vec::new();
+        for family in [Family::V4, Family::V6] {
+            let rules = rules_for(family);
+            states.push((
+                self.family_state(&runner, family, &rules)?.1,
+                !rules.is_empty(),
+            ));
+        }
+        Ok(merge(states))
+    }
+
+    /// Programs `rules_for(family)` in the caller's own (host) namespace with the global lock.
+    pub fn converge_host(
+        &self,
+        netns: &Netns,
+        rules_for: impl Fn(Family) -> Vec<Rule>,
+    ) -> Result<(), IptablesError> {
+        self.converge(netns, false, rules_for).map(|_| ())
+    }
+
+    /// Reads the host state against `rules_for`.
+    pub fn verify_host(
+        &self,
+        netns: &Netns,
+        rules_for: impl Fn(Family) -> Vec<Rule>,
+    ) -> Result<RuleState, IptablesError> {
+        self.state(netns, false, rules_for)
+    }
+}
+
+fn rules_for(cfg: &InpodConfig) -> impl Fn(Family) -> Vec<Rule> + '_ {
+    move |family| {
+        if family == Family::V6 && !cfg.ipv6 {
+            Vec::new()
+        } else {
+            inpod_rules(cfg, family)
+        }
+    }
+}
+
+/// Per family (state, whether it has desired rules): all in sync → in sync; every family with
+/// rules absent and the others clean → absent; otherwise drifted, differences together.
+fn merge(states: Vec<(RuleState, bool)>) -> RuleState {
+    if states.iter().all(|(s, _)| *s == RuleState::InSync) {
+        return RuleState::InSync;
+    }
+    let absent = |(s, wanted): &(RuleState, bool)| {
+        if *wanted {
+            *s == RuleState::Absent
+        } else {
+            *s == RuleState::InSync
+        }
+    };
+    if states.iter().all(absent) {
+        return RuleState::Absent;
+    }
+    let mut drift = Drift::default();
+    for (s, _) in states {
+        match s {
+            RuleState::Drifted(d) => {
+                drift.missing.extend(d.missing);
+                drift.unexpected.extend(d.unexpected);
+            }
+            RuleState::Absent => drift
+                .missing
+                .push("(every rule of one address family)".into()),
+            RuleState::InSync => {}
+        }
+    }
+    RuleState::Drifted(drift)
+}
+
+fn create_lock_dir(dir: &std::path::Path) -> Result<(), IptablesError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| IptablesError::LockDir {
+            path: dir.to_owned(),
+            source,
+        })
+}
+
+/// A new, empty network namespace, alive as long as the returned handle.
+fn scratch_netns() -> Result<Netns, IptablesError> {
+    std::thread::spawn(|| {
+        // The thread exits right after, so its namespace switch never leaks to other work.
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string())?;
+        Netns::current().map_err(|e| e.to_string())
+    })
+    .join()
+    .map_err(|_| IptablesError::Scratch("thread panicked".into()))?
+    .map_err(IptablesError::Scratch)
+}
+
+impl InpodRules for IptablesBackend {
+    fn name(&self) -> &'static str {
+        "iptables"
+    }
+
+    fn render(&self, cfg: &InpodConfig) -> String {
+        cni_core::redirect::iptables::inpod_restore(cfg)
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
+    }
+
+    fn apply(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), RuleError> {
+        self.converge(netns, true, rules_for(cfg))?;
+        Ok(())
+    }
+
+    fn verify(&self, netns: &Netns, cfg: &InpodConfig) -> Result<RuleState, RuleError> {
+        Ok(self.state(netns, true, rules_for(cfg))?)
+    }
+
+    fn remove(&self, netns: &Netns, _cfg: &InpodConfig) -> Result<(), RuleError> {
+        self.converge(netns, true, |_| Vec::new())?;
+        if let Ok(runner) = self.runner(netns, true)
+            && let Some(lock) = runner.lock_file
+        {
+            let _ = std::fs::remove_file(lock);
+        }
+        Ok(())
+    }
+}

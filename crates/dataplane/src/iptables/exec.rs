@@ -1,0 +1,114 @@
+//! Running the iptables tools inside a namespace: the child enters the pod netns between fork
+//! and exec (the caller's thread never moves), gets the lock settings for the variant, and exit
+//! codes become readable errors.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use super::detect::Binaries;
+use crate::netns::Netns;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("cannot run {binary}: {source}")]
+    Spawn {
+        binary: String,
+        source: std::io::Error,
+    },
+    /// Exit codes 1-4 are xtables' own classes of failure.
+    #[error("{binary}: xtables {class} (exit {code}): {stderr}")]
+    Failed {
+        binary: String,
+        code: i32,
+        class: &'static str,
+        stderr: String,
+    },
+    #[error("{binary} was killed by a signal: {stderr}")]
+    Killed { binary: String, stderr: String },
+}
+
+impl ExecError {
+    pub fn exit_code(&self) -> Option<i32> {
+        match self {
+            ExecError::Failed { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+fn class(code: i32) -> &'static str {
+    match code {
+        1 => "other problem",
+        2 => "parameter problem",
+        3 => "version problem",
+        4 => "resource problem",
+        _ => "failure",
+    }
+}
+
+/// How to run a tool: which namespace, and the pod-scoped lock file when the variant supports one.
+pub struct Runner<'a> {
+    pub bins: &'a Binaries,
+    pub netns: &'a Netns,
+    pub lock_file: Option<PathBuf>,
+}
+
+impl Runner<'_> {
+    /// Runs `tool` (`""`, `"-save"`, `"-restore"`) for the family with `args`, feeding `stdin`.
+    pub fn run(
+        &self,
+        v6: bool,
+        tool: &str,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> Result<String, ExecError> {
+        let binary = self.bins.tool(v6, tool);
+        let mut cmd = Command::new(&binary);
+        // Writers take the xtables lock; save never does.
+        if tool != "-save" && self.bins.wants_wait() {
+            cmd.arg("--wait=30");
+        }
+        cmd.args(args);
+        if let Some(lock) = &self.lock_file
+            && self.bins.scoped_lock()
+        {
+            cmd.env("XTABLES_LOCKFILE", lock);
+        }
+        cmd.stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        });
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        self.netns.enter_in_child(&mut cmd);
+        let spawn_err = |source| ExecError::Spawn {
+            binary: binary.clone(),
+            source,
+        };
+        let mut child = cmd.spawn().map_err(spawn_err)?;
+        if let Some(input) = stdin {
+            let mut pipe = child.stdin.take().expect("stdin piped");
+            // A tool that exits early closes the pipe; its exit status tells the real story.
+            let _ = pipe.write_all(input.as_bytes());
+        }
+        let out = child.wait_with_output().map_err(spawn_err)?;
+        let stderr = tail(&String::from_utf8_lossy(&out.stderr));
+        match out.status.code() {
+            Some(0) => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+            Some(code) => Err(ExecError::Failed {
+                binary,
+                code,
+                class: class(code),
+                stderr,
+            }),
+            None => Err(ExecError::Killed { binary, stderr }),
+        }
+    }
+}
+
+/// The last few lines of stderr: enough to name the failing line without flooding logs.
+fn tail(stderr: &str) -> String {
+    let lines: Vec<&str> = stderr.trim().lines().collect();
+    lines[lines.len().saturating_sub(5)..].join(" | ")
+}
