@@ -5,6 +5,5 @@ pub mod inpod;
 pub mod iptables;
 pub mod netlink;
 pub mod netns;
-pub mod nft;
 pub mod routes;
 pub mod test_support;
