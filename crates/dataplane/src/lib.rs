@@ -5,5 +5,6 @@ pub mod inpod;
 pub mod iptables;
 pub mod netlink;
 pub mod netns;
+pub mod nft;
 pub mod routes;
 pub mod test_support;

@@ -1,0 +1,125 @@
+//! The nftables backend, spoken over netlink: no `nft` binary on this path.
+//!
+//! Every change is one nf_tables batch (`BATCH_BEGIN … BATCH_END`), which the kernel commits
+//! atomically, so a pod is either fully redirected or untouched. A re-apply deletes and recreates
+//! our tables inside the same batch: idempotent, and it also replaces whatever drifted in them.
+//! The socket is opened inside the pod namespace on a [`Netns::run`] thread and used only there.
+
+mod expr;
+pub mod host;
+pub mod wire;
+
+use cni_core::redirect::InpodConfig;
+use cni_core::redirect::nft::{INPOD_TABLES, Ruleset, diff, inpod_ruleset};
+
+use crate::inpod::{Drift, InpodRules, RuleError, RuleState};
+use crate::netlink::{NetlinkError, NetlinkSocket};
+use crate::netns::Netns;
+use wire::Batch;
+
+const BACKEND: &str = "nftables";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error(transparent)]
+    Netns(#[from] crate::netns::NetnsError),
+    #[error("nftables over netlink: {0}")]
+    Netlink(#[from] NetlinkError),
+}
+
+impl From<NftError> for RuleError {
+    fn from(e: NftError) -> Self {
+        match e {
+            NftError::Netns(n) => RuleError::Netns(n),
+            other => RuleError::Backend {
+                backend: BACKEND,
+                source: Box::new(other),
+            },
+        }
+    }
+}
+
+/// Runs `f` with a fresh nfnetlink socket that lives in `netns`.
+pub fn with_socket<T: Send>(
+    netns: &Netns,
+    f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
+) -> Result<T, NftError> {
+    let res = netns.run(|| {
+        let mut sock = NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER)?;
+        f(&mut sock)
+    })?;
+    Ok(res?)
+}
+
+/// Programs ambient in-pod redirection with native nftables. Holds no state: every call builds
+/// its rules afresh and uses its own socket, so concurrent calls for different pods never meet.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NftablesBackend;
+
+impl NftablesBackend {
+    pub fn new() -> Self {
+        NftablesBackend
+    }
+
+    /// The batch `apply` sends: our tables replaced by `desired`, and any of our tables that
+    /// `desired` lacks (the raw table once DNS capture is off) deleted.
+    pub fn apply_batch(desired: &Ruleset) -> Batch {
+        let mut batch = Batch::default();
+        batch.replace_tables(desired);
+        for name in INPOD_TABLES {
+            if desired.table(name).is_none() {
+                batch.ensure_no_table(name);
+            }
+        }
+        batch
+    }
+
+    /// Our tables as the kernel has them in `netns`.
+    pub fn read(&self, netns: &Netns) -> Result<Ruleset, NftError> {
+        with_socket(netns, |sock| wire::read_tables(sock, &INPOD_TABLES))
+    }
+
+    /// Commits an arbitrary batch in `netns` (all or nothing).
+    pub fn commit(&self, netns: &Netns, batch: Batch) -> Result<(), NftError> {
+        with_socket(netns, move |sock| batch.commit(sock))
+    }
+}
+
+impl InpodRules for NftablesBackend {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn render(&self, cfg: &InpodConfig) -> String {
+        inpod_ruleset(cfg).render()
+    }
+
+    fn apply(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), RuleError> {
+        let batch = Self::apply_batch(&inpod_ruleset(cfg));
+        Ok(self.commit(netns, batch)?)
+    }
+
+    fn verify(&self, netns: &Netns, cfg: &InpodConfig) -> Result<RuleState, RuleError> {
+        let actual = self.read(netns)?;
+        if actual.tables.is_empty() {
+            return Ok(RuleState::Absent);
+        }
+        let (missing, unexpected) = diff(&inpod_ruleset(cfg), &actual);
+        if missing.is_empty() && unexpected.is_empty() {
+            Ok(RuleState::InSync)
+        } else {
+            Ok(RuleState::Drifted(Drift {
+                missing,
+                unexpected,
+            }))
+        }
+    }
+
+    fn remove(&self, netns: &Netns, _cfg: &InpodConfig) -> Result<(), RuleError> {
+        let mut batch = Batch::default();
+        for name in INPOD_TABLES {
+            batch.ensure_no_table(name);
+        }
+        Ok(self.commit(netns, batch)?)
+    }
+}

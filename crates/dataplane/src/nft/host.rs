@@ -1,0 +1,434 @@
+//! Host side of ambient with nftables: the probe address sets (enrolled pod IPs, each tagged with
+//! its pod UID) and the postrouting rule that SNATs kubelet's probes to those pods.
+//!
+//! nftables has no `-m owner --socket-exists`, so kubelet is recognised by the UID of its sockets
+//! (`skuid`), discovered from `/proc`.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use cni_core::redirect::nft::{
+    HostProbeConfig, NAT_TABLE, POSTROUTING, Set, host_ruleset, probe_set_name,
+};
+use netlink_packet_netfilter::nftables::{
+    DataAttribute, ListAttribute, NfTablesMessage, SetElementAttribute, SetElementList,
+    SetElementMessage,
+};
+
+use super::wire::{Batch, change, find_tlv, nul_terminated, push_tlv, string_of};
+use super::{NftError, with_socket};
+use crate::netlink::{NetlinkError, NetlinkSocket};
+use crate::netns::Netns;
+
+/// libnftnl user-data TLV of a set element's comment.
+const UDATA_SET_ELEM_COMMENT: u8 = 0;
+const ENOENT: i32 = 2;
+
+/// Programs the host table: the probe set(s), kept with their elements when they already exist,
+/// and the postrouting chain with exactly the desired rules. Safe to repeat.
+pub fn apply_host_rules(netns: &Netns, cfg: &HostProbeConfig) -> Result<(), NftError> {
+    let ruleset = host_ruleset(cfg);
+    let mut batch = Batch::default();
+    for table in &ruleset.tables {
+        batch.add_table(&table.name);
+        for (i, set) in table.sets.iter().enumerate() {
+            batch.add_set(&table.name, set, i as u32 + 1);
+        }
+        for chain in &table.chains {
+            batch.add_chain(&table.name, chain);
+            batch.flush_chain(&table.name, &chain.name);
+        }
+        for rule in &table.rules {
+            batch.add_rule(&table.name, rule);
+        }
+    }
+    with_socket(netns, move |sock| batch.commit(sock))
+}
+
+/// Removes the SNAT rule (its whole chain) but keeps the table and the sets with their elements,
+/// as on an agent restart.
+pub fn remove_host_rules(netns: &Netns) -> Result<(), NftError> {
+    let mut batch = Batch::default();
+    batch.add_table(NAT_TABLE);
+    let postrouting = cni_core::redirect::nft::Chain::regular(POSTROUTING);
+    batch.add_chain(NAT_TABLE, &postrouting);
+    batch.push(change(
+        NfTablesMessage::DeleteChain(netlink_packet_netfilter::nftables::ChainMessage {
+            attributes: vec![
+                netlink_packet_netfilter::nftables::ChainAttribute::Table(NAT_TABLE.to_string()),
+                netlink_packet_netfilter::nftables::ChainAttribute::Name(POSTROUTING.to_string()),
+            ],
+        }),
+        0,
+    ));
+    with_socket(netns, move |sock| batch.commit(sock))
+}
+
+/// Deletes the host table, sets included (full shutdown).
+pub fn destroy_host_table(netns: &Netns) -> Result<(), NftError> {
+    let mut batch = Batch::default();
+    batch.ensure_no_table(NAT_TABLE);
+    with_socket(netns, move |sock| batch.commit(sock))
+}
+
+/// One enrolled pod address in a probe set.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ProbeEntry {
+    pub ip: IpAddr,
+    pub pod_uid: String,
+}
+
+/// The probe sets of the host table. IPv6 addresses are skipped when IPv6 is disabled, as
+/// Istio does, because the v6 set does not exist then.
+#[derive(Clone, Copy, Debug)]
+pub struct ProbeSets {
+    pub ipv6: bool,
+}
+
+fn ip_bytes(ip: IpAddr) -> Vec<u8> {
+    match ip {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+/// Istio stores IPv4-mapped IPv6 addresses as plain IPv4.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    }
+}
+
+fn element_msg(set: &str, elems: Vec<Vec<SetElementAttribute>>, delete: bool) -> NfTablesMessage {
+    let msg = SetElementMessage {
+        attributes: vec![
+            SetElementList::Table(NAT_TABLE.to_string()),
+            SetElementList::Set(set.to_string()),
+            SetElementList::Elements(elems.into_iter().map(ListAttribute::Element).collect()),
+        ],
+    };
+    if delete {
+        NfTablesMessage::DeleteSetElement(msg)
+    } else {
+        NfTablesMessage::NewSetElement(msg)
+    }
+}
+
+fn key(ip: IpAddr) -> SetElementAttribute {
+    SetElementAttribute::Key(DataAttribute::Value(ip_bytes(ip)))
+}
+
+impl ProbeSets {
+    fn set_for(&self, ip: IpAddr) -> Option<String> {
+        match ip {
+            IpAddr::V4(_) => Some(probe_set_name(false)),
+            IpAddr::V6(_) if self.ipv6 => Some(probe_set_name(true)),
+            IpAddr::V6(_) => None,
+        }
+    }
+
+    /// Adds `ip` tagged with `pod_uid`, replacing the tag of an existing entry, in one batch.
+    /// Returns false when the address was skipped (IPv6 disabled).
+    pub fn upsert(&self, netns: &Netns, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
+        let ip = canonical(ip);
+        let Some(set) = self.set_for(ip) else {
+            return Ok(false);
+        };
+        let mut udata = Vec::new();
+        push_tlv(&mut udata, UDATA_SET_ELEM_COMMENT, &nul_terminated(pod_uid));
+        let mut batch = Batch::default();
+        // Create-then-delete makes the delete valid whether or not the entry existed.
+        batch.push(change(element_msg(&set, vec![vec![key(ip)]], false), 0));
+        batch.push(change(element_msg(&set, vec![vec![key(ip)]], true), 0));
+        batch.push(change(
+            element_msg(
+                &set,
+                vec![vec![key(ip), SetElementAttribute::UserData(udata)]],
+                false,
+            ),
+            0,
+        ));
+        with_socket(netns, move |sock| batch.commit(sock))?;
+        Ok(true)
+    }
+
+    /// Every entry of the probe sets.
+    pub fn list(&self, netns: &Netns) -> Result<Vec<ProbeEntry>, NftError> {
+        let sets: Vec<String> = std::iter::once(probe_set_name(false))
+            .chain(self.ipv6.then(|| probe_set_name(true)))
+            .collect();
+        with_socket(netns, move |sock| {
+            let mut out = Vec::new();
+            for set in &sets {
+                out.extend(list_set(sock, set)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Deletes `ip` only if it is tagged with `pod_uid` (another pod may own the IP by now).
+    /// Returns whether an entry was removed.
+    pub fn remove(&self, netns: &Netns, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
+        let ip = canonical(ip);
+        let found = self
+            .list(netns)?
+            .into_iter()
+            .any(|e| e.ip == ip && e.pod_uid == pod_uid);
+        if !found {
+            return Ok(false);
+        }
+        self.delete(netns, &[ip])?;
+        Ok(true)
+    }
+
+    /// Deletes every entry whose address is not in `keep`; returns the deleted entries.
+    pub fn prune(
+        &self,
+        netns: &Netns,
+        keep: &HashSet<IpAddr>,
+    ) -> Result<Vec<ProbeEntry>, NftError> {
+        let stale: Vec<ProbeEntry> = self
+            .list(netns)?
+            .into_iter()
+            .filter(|e| !keep.contains(&e.ip))
+            .collect();
+        let ips: Vec<IpAddr> = stale.iter().map(|e| e.ip).collect();
+        self.delete(netns, &ips)?;
+        Ok(stale)
+    }
+
+    fn delete(&self, netns: &Netns, ips: &[IpAddr]) -> Result<(), NftError> {
+        let mut batch = Batch::default();
+        for ip in ips {
+            if let Some(set) = self.set_for(*ip) {
+                batch.push(change(element_msg(&set, vec![vec![key(*ip)]], true), 0));
+            }
+        }
+        with_socket(netns, move |sock| batch.commit(sock))
+    }
+}
+
+fn list_set(sock: &mut NetlinkSocket, set: &str) -> Result<Vec<ProbeEntry>, NetlinkError> {
+    let req = netlink_packet_netfilter::NetfilterMessage::new(
+        netlink_packet_netfilter::NetfilterHeader::new(
+            netlink_packet_netfilter::NetfilterProtoFamily::Inet,
+            0,
+            0,
+        ),
+        NfTablesMessage::GetSetElement(SetElementMessage {
+            attributes: vec![
+                SetElementList::Table(NAT_TABLE.to_string()),
+                SetElementList::Set(set.to_string()),
+            ],
+        }),
+    );
+    let replies = match sock.dump(req) {
+        Ok(r) => r,
+        // No table or set yet: nothing enrolled.
+        Err(e) if e.errno() == Some(ENOENT) => return Ok(vec![]),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for reply in replies {
+        let netlink_packet_netfilter::NetfilterMessageInner::NfTables(
+            NfTablesMessage::NewSetElement(m),
+        ) = reply.inner
+        else {
+            continue;
+        };
+        for attr in m.attributes {
+            let SetElementList::Elements(elems) = attr else {
+                continue;
+            };
+            for elem in elems {
+                let ListAttribute::Element(attrs) = elem else {
+                    continue;
+                };
+                let mut ip = None;
+                let mut uid = String::new();
+                for a in attrs {
+                    match a {
+                        SetElementAttribute::Key(DataAttribute::Value(v)) => {
+                            ip = match v.len() {
+                                4 => <[u8; 4]>::try_from(v.as_slice()).ok().map(IpAddr::from),
+                                16 => <[u8; 16]>::try_from(v.as_slice()).ok().map(IpAddr::from),
+                                _ => None,
+                            }
+                        }
+                        SetElementAttribute::UserData(u) => {
+                            uid = find_tlv(&u, UDATA_SET_ELEM_COMMENT)
+                                .map(string_of)
+                                .unwrap_or_default()
+                        }
+                        _ => {}
+                    }
+                }
+                if let Some(ip) = ip {
+                    out.push(ProbeEntry { ip, pod_uid: uid });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The set definitions the host table carries (for callers that render or explain).
+pub fn probe_sets(cfg: &HostProbeConfig) -> Vec<Set> {
+    host_ruleset(cfg)
+        .tables
+        .into_iter()
+        .flat_map(|t| t.sets)
+        .collect()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletUidError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no kubelet process (kubelet, kubelite or k3s) found under {0}")]
+    NotFound(PathBuf),
+}
+
+/// Whether a process is kubelet: `kubelet`, or MicroK8s' `kubelite`, whose command line must
+/// name kubelet; or `k3s`, which embeds kubelet in its single binary.
+pub fn is_kubelet(comm: &str, cmdline: &[u8]) -> bool {
+    let names_kubelet = || cmdline.windows(7).any(|w| w == b"kubelet");
+    match comm.trim_end() {
+        "kubelet" | "kubelite" => names_kubelet(),
+        "k3s" => true,
+        _ => false,
+    }
+}
+
+/// The real UID from a `/proc/<pid>/status` text (`Uid:\treal\teffective\tsaved\tfs`).
+pub fn real_uid(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|uid| uid.parse().ok())
+}
+
+/// Finds kubelet among the processes of a `/proc`-like directory (the host's, mounted into the
+/// agent) and returns its real UID. Processes are visited in PID order; ones that exit while
+/// being read are skipped.
+pub fn kubelet_uid(proc_root: &Path) -> Result<u32, KubeletUidError> {
+    let read_err = |source| KubeletUidError::Read {
+        path: proc_root.to_owned(),
+        source,
+    };
+    let mut pids: Vec<u32> = std::fs::read_dir(proc_root)
+        .map_err(read_err)?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    pids.sort_unstable();
+    for pid in pids {
+        let dir = proc_root.join(pid.to_string());
+        let Ok(comm) = std::fs::read_to_string(dir.join("comm")) else {
+            continue;
+        };
+        let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
+        if !is_kubelet(&comm, &cmdline) {
+            continue;
+        }
+        if let Some(uid) = std::fs::read_to_string(dir.join("status"))
+            .ok()
+            .as_deref()
+            .and_then(real_uid)
+        {
+            return Ok(uid);
+        }
+    }
+    Err(KubeletUidError::NotFound(proc_root.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn proc_entry(root: &Path, pid: u32, comm: &str, cmdline: &[&str], uid: u32) {
+        let dir = root.join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("comm"), format!("{comm}\n")).unwrap();
+        let mut cmd = Vec::new();
+        for arg in cmdline {
+            cmd.extend_from_slice(arg.as_bytes());
+            cmd.push(0);
+        }
+        std::fs::write(dir.join("cmdline"), cmd).unwrap();
+        std::fs::write(
+            dir.join("status"),
+            format!("Name:\t{comm}\nUmask:\t0022\nState:\tS (sleeping)\nUid:\t{uid}\t0\t0\t0\nGid:\t0\t0\t0\t0\n"),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn finds_kubelet_by_comm_and_cmdline() {
+        let root = tempfile::tempdir().unwrap();
+        proc_entry(root.path(), 1, "systemd", &["/sbin/init"], 0);
+        proc_entry(
+            root.path(),
+            42,
+            "kubelet",
+            &["/usr/bin/kubelet", "--config=/x"],
+            1234,
+        );
+        std::fs::create_dir(root.path().join("self")).unwrap();
+        assert_eq!(kubelet_uid(root.path()).unwrap(), 1234);
+    }
+
+    #[test]
+    fn kubelite_needs_kubelet_on_its_command_line() {
+        let root = tempfile::tempdir().unwrap();
+        proc_entry(
+            root.path(),
+            10,
+            "kubelite",
+            &["/snap/bin/kubelite", "--apiserver"],
+            7,
+        );
+        assert!(matches!(
+            kubelet_uid(root.path()),
+            Err(KubeletUidError::NotFound(_))
+        ));
+        proc_entry(
+            root.path(),
+            11,
+            "kubelite",
+            &["/snap/bin/kubelite", "--kubelet-args-file=/x"],
+            8,
+        );
+        assert_eq!(kubelet_uid(root.path()).unwrap(), 8);
+    }
+
+    #[test]
+    fn k3s_needs_no_cmdline() {
+        let root = tempfile::tempdir().unwrap();
+        proc_entry(root.path(), 5, "k3s", &["/usr/local/bin/k3s", "server"], 0);
+        assert_eq!(kubelet_uid(root.path()).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_kubelet_named_process_without_kubelet_args_is_ignored_and_none_is_an_error() {
+        let root = tempfile::tempdir().unwrap();
+        proc_entry(root.path(), 3, "kubelet", &["/bin/sleep", "100"], 5);
+        proc_entry(root.path(), 4, "bash", &["bash"], 1000);
+        assert!(matches!(
+            kubelet_uid(root.path()),
+            Err(KubeletUidError::NotFound(_))
+        ));
+        assert!(kubelet_uid(&root.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn real_uid_is_the_first_uid_column() {
+        assert_eq!(real_uid("Name:\tx\nUid:\t1000\t0\t0\t0\n"), Some(1000));
+        assert_eq!(real_uid("Name:\tx\n"), None);
+    }
+}

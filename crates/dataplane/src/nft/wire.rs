@@ -1,0 +1,390 @@
+//! Tables, chains, sets and rules of the model as nf_tables netlink messages, the batch that
+//! carries them, and the dumps that read them back.
+
+use cni_core::redirect::nft::{
+    BaseChain, Chain, ChainType, Hook, Rule, Ruleset, Set, SetKey, Table,
+};
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload,
+};
+use netlink_packet_netfilter::nftables::{
+    ChainAttribute, ChainMessage, Hook as NlHook, HookNumber, InetHookNumber, NfTablesMessage,
+    RuleAttribute, RuleMessage, SetAttribute, SetFlags, SetMessage, TableAttribute, TableFlags,
+    TableMessage,
+};
+use netlink_packet_netfilter::none::ControlMessage;
+use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
+
+use super::expr::{rule_from_netlink, rule_to_netlink};
+use crate::netlink::{NetlinkError, NetlinkSocket};
+
+/// `NFNL_SUBSYS_NFTABLES`: batch begin/end name the subsystem they wrap in `res_id`.
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+// nftables datatype ids of set keys (`TYPE_IPADDR`, `TYPE_IP6ADDR`).
+const KEY_TYPE_IPV4: u32 = 7;
+const KEY_TYPE_IPV6: u32 = 8;
+// libnftnl user-data TLV types.
+const UDATA_SET_KEYBYTEORDER: u8 = 0;
+const UDATA_SET_COMMENT: u8 = 7;
+const BYTEORDER_BIG_ENDIAN: u32 = 2;
+
+pub type Msg = NetlinkMessage<NetfilterMessage>;
+
+fn inet(msg: NfTablesMessage) -> NetfilterMessage {
+    NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::Inet, 0, 0), msg)
+}
+
+fn wrap(inner: NetfilterMessage, flags: u16) -> Msg {
+    let mut header = NetlinkHeader::default();
+    header.flags = flags;
+    NetlinkMessage::new(header, NetlinkPayload::InnerMessage(inner))
+}
+
+/// A modification of the netfilter state; acked by the kernel so failures name their message.
+pub fn change(msg: NfTablesMessage, extra_flags: u16) -> Msg {
+    wrap(inet(msg), NLM_F_REQUEST | NLM_F_ACK | extra_flags)
+}
+
+/// An ordered list of changes the kernel applies all together or not at all.
+#[derive(Default)]
+pub struct Batch {
+    msgs: Vec<Msg>,
+}
+
+impl Batch {
+    pub fn push(&mut self, msg: Msg) {
+        self.msgs.push(msg);
+    }
+
+    pub fn len(&self) -> usize {
+        self.msgs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.msgs.is_empty()
+    }
+
+    /// `add table` (creates it when absent, never fails when present).
+    pub fn add_table(&mut self, name: &str) {
+        self.push(change(
+            NfTablesMessage::NewTable(TableMessage {
+                attributes: vec![
+                    TableAttribute::Name(name.to_string()),
+                    TableAttribute::Flags(TableFlags::empty()),
+                ],
+            }),
+            NLM_F_CREATE,
+        ));
+    }
+
+    pub fn delete_table(&mut self, name: &str) {
+        self.push(change(
+            NfTablesMessage::DeleteTable(TableMessage {
+                attributes: vec![TableAttribute::Name(name.to_string())],
+            }),
+            0,
+        ));
+    }
+
+    /// Deletes `name` whether or not it exists: adding first makes the delete always valid.
+    pub fn ensure_no_table(&mut self, name: &str) {
+        self.add_table(name);
+        self.delete_table(name);
+    }
+
+    pub fn add_chain(&mut self, table: &str, chain: &Chain) {
+        let mut attributes = vec![
+            ChainAttribute::Table(table.to_string()),
+            ChainAttribute::Name(chain.name.clone()),
+        ];
+        if let Some(base) = &chain.base {
+            attributes.push(ChainAttribute::Hook(vec![
+                NlHook::Number(HookNumber::Inet(InetHookNumber::from(base.hook as u32))),
+                NlHook::Priority(base.priority as u32),
+            ]));
+            attributes.push(ChainAttribute::Type(base.kind.as_str().to_string()));
+        }
+        self.push(change(
+            NfTablesMessage::NewChain(ChainMessage { attributes }),
+            NLM_F_CREATE,
+        ));
+    }
+
+    /// `flush chain`: a rule deletion naming only the chain removes all its rules.
+    pub fn flush_chain(&mut self, table: &str, chain: &str) {
+        self.push(change(
+            NfTablesMessage::DeleteRule(RuleMessage {
+                attributes: vec![
+                    RuleAttribute::Table(table.to_string()),
+                    RuleAttribute::Chain(chain.to_string()),
+                ],
+            }),
+            0,
+        ));
+    }
+
+    pub fn add_rule(&mut self, table: &str, rule: &Rule) {
+        self.push(change(
+            NfTablesMessage::NewRule(RuleMessage {
+                attributes: vec![
+                    RuleAttribute::Table(table.to_string()),
+                    RuleAttribute::Chain(rule.chain.clone()),
+                    RuleAttribute::Expressions(rule_to_netlink(&rule.exprs)),
+                ],
+            }),
+            NLM_F_CREATE | NLM_F_APPEND,
+        ));
+    }
+
+    /// `add set` (keeps an existing set and its elements).
+    pub fn add_set(&mut self, table: &str, set: &Set, id: u32) {
+        let (key_type, key_len) = match set.key {
+            SetKey::Ipv4Addr => (KEY_TYPE_IPV4, 4),
+            SetKey::Ipv6Addr => (KEY_TYPE_IPV6, 16),
+        };
+        let mut udata = Vec::new();
+        push_tlv(
+            &mut udata,
+            UDATA_SET_KEYBYTEORDER,
+            &BYTEORDER_BIG_ENDIAN.to_ne_bytes(),
+        );
+        if let Some(c) = &set.comment {
+            push_tlv(&mut udata, UDATA_SET_COMMENT, &nul_terminated(c));
+        }
+        self.push(change(
+            NfTablesMessage::NewSet(SetMessage {
+                attributes: vec![
+                    SetAttribute::Table(table.to_string()),
+                    SetAttribute::Name(set.name.clone()),
+                    SetAttribute::Flags(SetFlags::empty()),
+                    SetAttribute::KeyType(key_type),
+                    SetAttribute::KeyLen(key_len),
+                    SetAttribute::Id(id),
+                    SetAttribute::UserData(udata),
+                ],
+            }),
+            NLM_F_CREATE,
+        ));
+    }
+
+    /// Replaces the in-pod tables with `ruleset`: every table is created, deleted and created
+    /// again, so whatever was in it before (foreign chains included) is gone when the batch
+    /// commits. Sets are never part of an in-pod rule set.
+    pub fn replace_tables(&mut self, ruleset: &Ruleset) {
+        for table in &ruleset.tables {
+            self.ensure_no_table(&table.name);
+            self.add_table(&table.name);
+            self.add_contents(table);
+        }
+    }
+
+    /// Adds chains and rules of `table` (after `add table`).
+    pub fn add_contents(&mut self, table: &Table) {
+        for chain in &table.chains {
+            self.add_chain(&table.name, chain);
+        }
+        for rule in &table.rules {
+            self.add_rule(&table.name, rule);
+        }
+    }
+
+    /// Sends the batch and waits for every ack. On any error the kernel has applied nothing.
+    pub fn commit(self, sock: &mut NetlinkSocket) -> Result<(), NetlinkError> {
+        if self.msgs.is_empty() {
+            return Ok(());
+        }
+        let mut all = Vec::with_capacity(self.msgs.len() + 2);
+        all.push(control(ControlMessage::BatchBegin));
+        all.extend(self.msgs);
+        all.push(control(ControlMessage::BatchEnd));
+        sock.transact(all).map(|_| ())
+    }
+}
+
+fn control(msg: ControlMessage) -> Msg {
+    wrap(
+        NetfilterMessage::new(
+            NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, NFNL_SUBSYS_NFTABLES),
+            msg,
+        ),
+        NLM_F_REQUEST,
+    )
+}
+
+pub(crate) fn push_tlv(out: &mut Vec<u8>, kind: u8, value: &[u8]) {
+    out.push(kind);
+    out.push(value.len() as u8);
+    out.extend_from_slice(value);
+}
+
+/// Finds a libnftnl user-data TLV and returns its value.
+pub(crate) fn find_tlv(mut data: &[u8], kind: u8) -> Option<&[u8]> {
+    while data.len() >= 2 {
+        let (k, len) = (data[0], data[1] as usize);
+        let value = data.get(2..2 + len)?;
+        if k == kind {
+            return Some(value);
+        }
+        data = &data[2 + len..];
+    }
+    None
+}
+
+pub(crate) fn nul_terminated(s: &str) -> Vec<u8> {
+    // A TLV length is one byte; a longer comment is cut rather than corrupting the TLV.
+    let mut v: Vec<u8> = s.as_bytes().iter().copied().take(254).collect();
+    v.push(0);
+    v
+}
+
+pub(crate) fn string_of(value: &[u8]) -> String {
+    let end = value.iter().position(|b| *b == 0).unwrap_or(value.len());
+    String::from_utf8_lossy(&value[..end]).into_owned()
+}
+
+fn dump(
+    sock: &mut NetlinkSocket,
+    msg: NfTablesMessage,
+) -> Result<Vec<NfTablesMessage>, NetlinkError> {
+    // A dump interrupted by a concurrent change is simply taken again.
+    let mut tries = 0;
+    loop {
+        match sock.dump(inet(msg.clone())) {
+            Ok(replies) => {
+                return Ok(replies
+                    .into_iter()
+                    .filter_map(|m| match m.inner {
+                        netlink_packet_netfilter::NetfilterMessageInner::NfTables(n) => Some(n),
+                        _ => None,
+                    })
+                    .collect());
+            }
+            Err(NetlinkError::DumpInterrupted) if tries < 5 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Reads the named inet tables (chains, sets and rules) from the kernel; absent tables are left
+/// out of the result. Rules come back grouped by chain, in evaluation order.
+pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, NetlinkError> {
+    let mut tables: Vec<Table> = Vec::new();
+    for msg in dump(
+        sock,
+        NfTablesMessage::GetTable(TableMessage { attributes: vec![] }),
+    )? {
+        if let NfTablesMessage::NewTable(t) = msg {
+            let name = t.attributes.iter().find_map(|a| match a {
+                TableAttribute::Name(n) => Some(n.clone()),
+                _ => None,
+            });
+            if let Some(name) = name.filter(|n| names.contains(&n.as_str())) {
+                tables.push(Table {
+                    name,
+                    ..Table::default()
+                });
+            }
+        }
+    }
+    // Keep the caller's order so renderings are stable.
+    tables.sort_by_key(|t| names.iter().position(|n| *n == t.name));
+    if tables.is_empty() {
+        return Ok(Ruleset { tables });
+    }
+
+    for msg in dump(
+        sock,
+        NfTablesMessage::GetChain(ChainMessage { attributes: vec![] }),
+    )? {
+        let NfTablesMessage::NewChain(c) = msg else {
+            continue;
+        };
+        let (mut table, mut name, mut hook, mut prio, mut kind) = (None, None, None, None, None);
+        for a in c.attributes {
+            match a {
+                ChainAttribute::Table(t) => table = Some(t),
+                ChainAttribute::Name(n) => name = Some(n),
+                ChainAttribute::Type(t) => kind = Some(t),
+                ChainAttribute::Hook(h) => {
+                    for x in h {
+                        match x {
+                            NlHook::Number(n) => hook = Some(u32::from(n)),
+                            NlHook::Priority(p) => prio = Some(p as i32),
+                            _ => {}
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let (Some(table), Some(name)) = (table, name) else {
+            continue;
+        };
+        let Some(t) = tables.iter_mut().find(|t| t.name == table) else {
+            continue;
+        };
+        let base = match (hook, prio, kind) {
+            (Some(h), Some(p), Some(k)) => Some(BaseChain {
+                // An unknown hook or type cannot be ours; render it as the closest so the
+                // drift shows the chain, and comparison fails as it should.
+                hook: Hook::from_number(h).unwrap_or(Hook::Forward),
+                kind: ChainType::from_name(&k).unwrap_or(ChainType::Filter),
+                priority: p,
+            }),
+            _ => None,
+        };
+        t.chains.push(Chain { name, base });
+    }
+
+    for msg in dump(
+        sock,
+        NfTablesMessage::GetSet(SetMessage { attributes: vec![] }),
+    )? {
+        let NfTablesMessage::NewSet(s) = msg else {
+            continue;
+        };
+        let (mut table, mut name, mut key, mut comment) = (None, None, None, None);
+        for a in s.attributes {
+            match a {
+                SetAttribute::Table(t) => table = Some(t),
+                SetAttribute::Name(n) => name = Some(n),
+                SetAttribute::KeyType(KEY_TYPE_IPV4) => key = Some(SetKey::Ipv4Addr),
+                SetAttribute::KeyType(KEY_TYPE_IPV6) => key = Some(SetKey::Ipv6Addr),
+                SetAttribute::UserData(u) => {
+                    comment = find_tlv(&u, UDATA_SET_COMMENT).map(string_of)
+                }
+                _ => {}
+            }
+        }
+        if let (Some(table), Some(name), Some(key)) = (table, name, key)
+            && let Some(t) = tables.iter_mut().find(|t| t.name == table)
+        {
+            t.sets.push(Set { name, key, comment });
+        }
+    }
+
+    for msg in dump(
+        sock,
+        NfTablesMessage::GetRule(RuleMessage { attributes: vec![] }),
+    )? {
+        let NfTablesMessage::NewRule(r) = msg else {
+            continue;
+        };
+        let (mut table, mut chain, mut exprs) = (None, None, Vec::new());
+        for a in r.attributes {
+            match a {
+                RuleAttribute::Table(t) => table = Some(t),
+                RuleAttribute::Chain(c) => chain = Some(c),
+                RuleAttribute::Expressions(list) => exprs = rule_from_netlink(&list),
+                _ => {}
+            }
+        }
+        if let (Some(table), Some(chain)) = (table, chain)
+            && let Some(t) = tables.iter_mut().find(|t| t.name == table)
+        {
+            t.rules.push(Rule { chain, exprs });
+        }
+    }
+    Ok(Ruleset { tables })
+}

@@ -1,0 +1,419 @@
+//! The nftables backend against the real kernel, each test in fresh network namespaces. The `nft`
+//! binary is used only to look at (and to vandalise) the result, never to program it.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+
+use cni_core::redirect::nft::{HostProbeConfig, RAW_TABLE, Rule, inpod_ruleset};
+use cni_core::redirect::{InpodConfig, InterfaceName, consts};
+use dataplane::inpod::{InpodRules, RuleState};
+use dataplane::nft::host::{
+    ProbeEntry, ProbeSets, apply_host_rules, destroy_host_table, remove_host_rules,
+};
+use dataplane::nft::{NftError, NftablesBackend};
+use dataplane::require_root;
+use dataplane::test_support::TestNetns;
+
+fn ruleset(ns: &TestNetns) -> String {
+    ns.exec("nft", &["list", "ruleset"])
+}
+
+fn squash(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn full_cfg() -> InpodConfig {
+    InpodConfig {
+        ipv6: true,
+        reroute_virtual_interfaces: vec![InterfaceName::new("eth7").unwrap()],
+        ..InpodConfig::default()
+    }
+}
+
+#[test]
+fn apply_programs_the_rules_nft_can_read() {
+    require_root!();
+    let ns = TestNetns::new("nft-apply");
+    let backend = NftablesBackend::new();
+    backend.apply(&ns.open(), &InpodConfig::default()).unwrap();
+    let listed = squash(&ruleset(&ns));
+    // How nft itself prints what we encoded: proves the expressions mean what the model says.
+    for want in [
+        "table inet istio-ambient-nat",
+        "chain prerouting { type nat hook prerouting priority dstnat; policy accept; jump istio-prerouting }",
+        "meta l4proto tcp ip saddr 169.254.7.127 counter packets 0 bytes 0 accept",
+        "ip daddr != 127.0.0.1 tcp dport != 15008 meta mark & 0x00000fff != 0x00000539 counter packets 0 bytes 0 redirect to :15006",
+        "oifname != \"lo\" meta mark & 0x00000fff != 0x00000539 udp dport 53 counter packets 0 bytes 0 redirect to :15053",
+        "meta l4proto tcp meta mark & 0x00000fff == 0x00000111 counter packets 0 bytes 0 accept",
+        "oifname \"lo\" ip daddr != 127.0.0.1 counter packets 0 bytes 0 accept",
+        "meta l4proto tcp ip daddr != 127.0.0.1 meta mark & 0x00000fff != 0x00000539 counter packets 0 bytes 0 redirect to :15001",
+        "chain output { type route hook output priority mangle; policy accept; jump istio-output }",
+        // nft 1.0 prints `(x & 0xfffff000) ^ 0x111` — the very bytes it generates itself for
+        // `ct mark set ct mark & 0xfffff000 | 0x111` — in this equivalent form.
+        "meta mark & 0x00000fff == 0x00000539 counter packets 0 bytes 0 ct mark set ct mark & 0xfffff111 | 0x00000111",
+        "ct mark & 0x00000fff == 0x00000111 counter packets 0 bytes 0 meta mark set ct mark",
+        "table inet istio-ambient-raw",
+        "udp dport 53 meta mark & 0x00000fff == 0x00000539 counter packets 0 bytes 0 ct zone set 1",
+        "udp sport 53 meta mark & 0x00000fff != 0x00000539 counter packets 0 bytes 0 ct zone set 1",
+    ] {
+        assert!(listed.contains(want), "missing {want:?} in\n{listed}");
+    }
+    assert_eq!(
+        backend.verify(&ns.open(), &InpodConfig::default()).unwrap(),
+        RuleState::InSync
+    );
+}
+
+#[test]
+fn ipv6_and_virtual_interfaces_read_back_in_sync() {
+    require_root!();
+    let ns = TestNetns::new("nft-v6");
+    let backend = NftablesBackend::new();
+    let cfg = full_cfg();
+    backend.apply(&ns.open(), &cfg).unwrap();
+    let listed = squash(&ruleset(&ns));
+    for want in [
+        "iifname \"eth7\" meta l4proto tcp counter packets 0 bytes 0 redirect to :15001",
+        "iifname \"eth7\" meta l4proto tcp counter packets 0 bytes 0 return",
+        "meta l4proto tcp ip6 saddr fd16:9254:7127:1337:ffff:ffff:ffff:ffff counter packets 0 bytes 0 accept",
+        "ip6 daddr != ::1 tcp dport != 15008",
+        "oifname \"lo\" ip6 daddr != ::1 counter packets 0 bytes 0 accept",
+    ] {
+        assert!(listed.contains(want), "missing {want:?} in\n{listed}");
+    }
+    // The decoded kernel state equals the model exactly, rule for rule.
+    let read = backend.read(&ns.open()).unwrap();
+    let want = inpod_ruleset(&cfg);
+    for table in &want.tables {
+        let got = read.table(&table.name).expect("table read back");
+        assert_eq!(got.chains, table.chains);
+        for chain in &table.chains {
+            let w: Vec<&Rule> = table.chain_rules(&chain.name).collect();
+            let g: Vec<&Rule> = got.chain_rules(&chain.name).collect();
+            assert_eq!(g, w, "chain {}", chain.name);
+        }
+    }
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+}
+
+#[test]
+fn apply_twice_is_idempotent_and_switching_config_replaces() {
+    require_root!();
+    let ns = TestNetns::new("nft-idem");
+    let backend = NftablesBackend::new();
+    let cfg = InpodConfig::default();
+    backend.apply(&ns.open(), &cfg).unwrap();
+    let first = ruleset(&ns);
+    backend.apply(&ns.open(), &cfg).unwrap();
+    assert_eq!(ruleset(&ns), first);
+
+    // DNS off: the raw table goes away in the same transaction; nothing is duplicated.
+    let no_dns = InpodConfig {
+        redirect_dns: false,
+        ..cfg.clone()
+    };
+    backend.apply(&ns.open(), &no_dns).unwrap();
+    let listed = ruleset(&ns);
+    assert!(!listed.contains(RAW_TABLE), "{listed}");
+    assert!(!listed.contains(":15053"), "{listed}");
+    assert_eq!(
+        backend.verify(&ns.open(), &no_dns).unwrap(),
+        RuleState::InSync
+    );
+    match backend.verify(&ns.open(), &cfg).unwrap() {
+        RuleState::Drifted(d) => {
+            assert!(
+                d.missing
+                    .iter()
+                    .any(|l| l == "add table inet istio-ambient-raw"),
+                "{d}"
+            )
+        }
+        other => panic!("expected drift, got {other:?}"),
+    }
+}
+
+#[test]
+fn drift_is_reported_readably_and_apply_restores() {
+    require_root!();
+    let ns = TestNetns::new("nft-drift");
+    let backend = NftablesBackend::new();
+    let cfg = InpodConfig::default();
+    backend.apply(&ns.open(), &cfg).unwrap();
+    let pristine = ruleset(&ns);
+
+    // Delete our outbound redirect (the last rule of istio-output) and add foreign state.
+    let handles = ns.exec(
+        "nft",
+        &[
+            "-a",
+            "list",
+            "chain",
+            "inet",
+            "istio-ambient-nat",
+            "istio-output",
+        ],
+    );
+    let handle = handles
+        .lines()
+        .filter(|l| l.contains("redirect to :15001"))
+        .find_map(|l| l.rsplit("# handle ").next())
+        .unwrap()
+        .trim()
+        .to_string();
+    ns.exec(
+        "nft",
+        &[
+            "delete",
+            "rule",
+            "inet",
+            "istio-ambient-nat",
+            "istio-output",
+            "handle",
+            &handle,
+        ],
+    );
+    ns.exec(
+        "nft",
+        &[
+            "add",
+            "rule",
+            "inet",
+            "istio-ambient-nat",
+            "istio-output",
+            "tcp",
+            "dport",
+            "9999",
+            "accept",
+        ],
+    );
+    ns.exec(
+        "nft",
+        &["add", "chain", "inet", "istio-ambient-mangle", "sneaky"],
+    );
+
+    let RuleState::Drifted(drift) = backend.verify(&ns.open(), &cfg).unwrap() else {
+        panic!("drift not detected");
+    };
+    assert_eq!(
+        drift.missing,
+        vec![
+            "add rule inet istio-ambient-nat istio-output meta l4proto tcp ip daddr != 127.0.0.1/32 mark and 0xfff != 0x539 counter redirect to :15001"
+                .to_string()
+        ]
+    );
+    assert_eq!(
+        drift.unexpected,
+        vec![
+            "add rule inet istio-ambient-nat istio-output tcp dport 9999 accept".to_string(),
+            "add chain inet istio-ambient-mangle sneaky".to_string(),
+        ]
+    );
+    let text = drift.to_string();
+    assert!(
+        text.starts_with("- add rule inet istio-ambient-nat istio-output"),
+        "{text}"
+    );
+
+    backend.apply(&ns.open(), &cfg).unwrap();
+    assert_eq!(ruleset(&ns), pristine);
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+}
+
+#[test]
+fn foreign_tables_are_left_alone() {
+    require_root!();
+    let ns = TestNetns::new("nft-foreign");
+    ns.exec("nft", &["add", "table", "inet", "someone-else"]);
+    ns.exec(
+        "nft",
+        &[
+            "add",
+            "chain",
+            "inet",
+            "someone-else",
+            "c",
+            "{ type filter hook input priority 0 ; }",
+        ],
+    );
+    let backend = NftablesBackend::new();
+    let cfg = InpodConfig::default();
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::Absent);
+    backend.apply(&ns.open(), &cfg).unwrap();
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+    backend.remove(&ns.open(), &cfg).unwrap();
+    let listed = ruleset(&ns);
+    assert!(listed.contains("table inet someone-else"), "{listed}");
+    assert!(!listed.contains("istio"), "{listed}");
+}
+
+#[test]
+fn remove_leaves_no_table_and_tolerates_absence() {
+    require_root!();
+    let ns = TestNetns::new("nft-remove");
+    let backend = NftablesBackend::new();
+    let cfg = InpodConfig::default();
+    backend.remove(&ns.open(), &cfg).unwrap();
+    backend.apply(&ns.open(), &cfg).unwrap();
+    backend.remove(&ns.open(), &cfg).unwrap();
+    assert_eq!(ruleset(&ns).trim(), "");
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::Absent);
+    backend.remove(&ns.open(), &cfg).unwrap();
+}
+
+#[test]
+fn a_failing_batch_applies_nothing() {
+    require_root!();
+    let ns = TestNetns::new("nft-atomic");
+    let backend = NftablesBackend::new();
+    let cfg = InpodConfig::default();
+    let mut batch = NftablesBackend::apply_batch(&inpod_ruleset(&cfg));
+    // The last message refers to a chain that does not exist: the kernel rejects it after having
+    // accepted every table, chain and rule before it in the same batch.
+    batch.add_rule(
+        "istio-ambient-nat",
+        &Rule::new(
+            "no-such-chain",
+            vec![cni_core::redirect::nft::Expr::Counter],
+        ),
+    );
+    let err = backend.commit(&ns.open(), batch).unwrap_err();
+    assert!(matches!(err, NftError::Netlink(_)), "{err}");
+    assert!(err.to_string().contains("No such file"), "{err}");
+    assert_eq!(ruleset(&ns).trim(), "");
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::Absent);
+
+    // The same failure over existing rules leaves them exactly as they were.
+    backend.apply(&ns.open(), &cfg).unwrap();
+    let before = ruleset(&ns);
+    let mut batch = NftablesBackend::apply_batch(&inpod_ruleset(&InpodConfig {
+        redirect_dns: false,
+        ..cfg.clone()
+    }));
+    batch.add_rule("istio-ambient-nat", &Rule::new("no-such-chain", vec![]));
+    assert!(backend.commit(&ns.open(), batch).is_err());
+    assert_eq!(ruleset(&ns), before);
+}
+
+#[test]
+fn concurrent_applies_on_distinct_namespaces_do_not_cross_talk() {
+    require_root!();
+    const N: usize = 50;
+    let namespaces: Vec<TestNetns> = (0..N).map(|_| TestNetns::new("nft-conc")).collect();
+    // Alternate configs so a socket answering for the wrong namespace would be noticed.
+    let cfg_of = |i: usize| InpodConfig {
+        redirect_dns: i.is_multiple_of(2),
+        ingress_mode: i.is_multiple_of(3),
+        ..InpodConfig::default()
+    };
+    let backend = NftablesBackend::new();
+    std::thread::scope(|s| {
+        for (i, ns) in namespaces.iter().enumerate() {
+            let cfg = cfg_of(i);
+            s.spawn(move || backend.apply(&ns.open(), &cfg).unwrap());
+        }
+    });
+    for (i, ns) in namespaces.iter().enumerate() {
+        assert_eq!(
+            backend.verify(&ns.open(), &cfg_of(i)).unwrap(),
+            RuleState::InSync,
+            "namespace {i}"
+        );
+        let listed = ruleset(ns);
+        assert_eq!(
+            listed.matches("table inet").count(),
+            if i.is_multiple_of(2) { 3 } else { 2 }
+        );
+    }
+}
+
+fn host_cfg(ipv6: bool) -> HostProbeConfig {
+    HostProbeConfig {
+        kubelet_uid: 1000,
+        ipv6,
+        probe_snat_v4: consts::PROBE_SNAT_V4,
+        probe_snat_v6: consts::PROBE_SNAT_V6,
+    }
+}
+
+#[test]
+fn host_rules_and_probe_sets() {
+    require_root!();
+    let ns = TestNetns::new("nft-host");
+    let host = ns.open();
+    apply_host_rules(&host, &host_cfg(true)).unwrap();
+    let listed = squash(&ruleset(&ns));
+    for want in [
+        "set istio-inpod-probes-v4 { type ipv4_addr comment \"UUID of the pods that are part of ambient mesh\" }",
+        "set istio-inpod-probes-v6 { type ipv6_addr comment \"UUID of the pods that are part of ambient mesh\" }",
+        "chain postrouting { type nat hook postrouting priority srcnat; policy accept;",
+        "meta l4proto tcp meta skuid 1000 ip daddr @istio-inpod-probes-v4 counter packets 0 bytes 0 snat ip to 169.254.7.127",
+        "meta l4proto tcp meta skuid 1000 ip6 daddr @istio-inpod-probes-v6 counter packets 0 bytes 0 snat ip6 to fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+    ] {
+        assert!(listed.contains(want), "missing {want:?} in\n{listed}");
+    }
+
+    let sets = ProbeSets { ipv6: true };
+    let a: IpAddr = "10.0.0.5".parse().unwrap();
+    let b: IpAddr = "fd00::7".parse().unwrap();
+    assert!(sets.upsert(&host, a, "uid-a").unwrap());
+    assert!(sets.upsert(&host, b, "uid-b").unwrap());
+    // Upsert replaces the owner of an address.
+    assert!(sets.upsert(&host, a, "uid-a2").unwrap());
+    let mut entries = sets.list(&host).unwrap();
+    entries.sort_by_key(|e| e.ip);
+    assert_eq!(
+        entries,
+        vec![
+            ProbeEntry {
+                ip: a,
+                pod_uid: "uid-a2".into()
+            },
+            ProbeEntry {
+                ip: b,
+                pod_uid: "uid-b".into()
+            },
+        ]
+    );
+    assert!(squash(&ruleset(&ns)).contains("elements = { 10.0.0.5 comment \"uid-a2\" }"));
+
+    // Re-applying the host rules keeps the elements and does not duplicate the rule.
+    apply_host_rules(&host, &host_cfg(true)).unwrap();
+    assert_eq!(sets.list(&host).unwrap().len(), 2);
+    assert_eq!(ruleset(&ns).matches("snat ip to").count(), 1);
+
+    // Delete only when the UID matches.
+    assert!(!sets.remove(&host, a, "uid-a").unwrap());
+    assert!(sets.remove(&host, a, "uid-a2").unwrap());
+    assert_eq!(sets.list(&host).unwrap().len(), 1);
+
+    // IPv6 disabled: v6 addresses are skipped silently.
+    assert!(!ProbeSets { ipv6: false }.upsert(&host, b, "x").unwrap());
+
+    let c: IpAddr = "10.0.0.9".parse().unwrap();
+    sets.upsert(&host, c, "uid-c").unwrap();
+    let pruned = sets.prune(&host, &HashSet::from([c])).unwrap();
+    assert_eq!(
+        pruned,
+        vec![ProbeEntry {
+            ip: b,
+            pod_uid: "uid-b".into()
+        }]
+    );
+    assert_eq!(
+        sets.list(&host).unwrap(),
+        vec![ProbeEntry {
+            ip: c,
+            pod_uid: "uid-c".into()
+        }]
+    );
+
+    // Removing the host rule keeps the sets and their elements.
+    remove_host_rules(&host).unwrap();
+    let listed = ruleset(&ns);
+    assert!(!listed.contains("snat"), "{listed}");
+    assert_eq!(sets.list(&host).unwrap().len(), 1);
+    destroy_host_table(&host).unwrap();
+    assert_eq!(ruleset(&ns).trim(), "");
+    assert_eq!(sets.list(&host).unwrap(), vec![]);
+}
