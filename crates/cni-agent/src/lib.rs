@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod hostfs;
+pub mod install;
 pub mod http;
 pub mod metrics;
 #[cfg(any(test, feature = "testing"))]
