@@ -200,6 +200,7 @@ pub struct InstallArgs {
         global = true
     )]
     pub service_account_dir: PathBuf,
+    /// Scheme of the API server URL written into the plugin kubeconfig.
     #[arg(
         long,
         env = "KUBERNETES_SERVICE_PROTOCOL",
@@ -207,8 +208,10 @@ pub struct InstallArgs {
         global = true
     )]
     pub kubernetes_service_protocol: String,
+    /// API server host for the plugin kubeconfig (set by Kubernetes in every pod).
     #[arg(long, env = "KUBERNETES_SERVICE_HOST", global = true)]
     pub kubernetes_service_host: Option<String>,
+    /// API server port for the plugin kubeconfig.
     #[arg(long, env = "KUBERNETES_SERVICE_PORT", global = true)]
     pub kubernetes_service_port: Option<u16>,
 }

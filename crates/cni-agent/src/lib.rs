@@ -1,5 +1,6 @@
 //! The `install-cni` node agent: installer, ambient enrollment, ZDS server, repair and HTTP.
 
+pub mod cli;
 pub mod config;
 pub mod hostfs;
 pub mod install;

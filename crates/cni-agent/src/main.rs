@@ -1,1 +1,5 @@
-fn main() {}
+//! `install-cni`: the istio-cni node agent.
+
+fn main() -> std::process::ExitCode {
+    cni_agent::cli::main()
+}

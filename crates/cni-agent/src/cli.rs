@@ -1,0 +1,137 @@
+//! The `install-cni` command line: subcommands, logging setup and signal handling. `main.rs` only
+//! calls [`main`].
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{self, InstallArgs, InstallConfig, LogArgs, ProcessEnv};
+use crate::install::Installer;
+
+/// Istio CNI node agent (installer).
+#[derive(Parser, Debug)]
+#[command(name = "install-cni", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub install: InstallArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Without a subcommand the agent runs until SIGTERM/SIGINT, then cleans up.
+#[derive(Subcommand, Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// Install the plugin and keep it installed (`--once`: one pass, print the config path, exit).
+    Install {
+        #[arg(long)]
+        once: bool,
+    },
+    /// Remove the plugin, its CNI config entry and its kubeconfig from this node.
+    Uninstall,
+    /// Print the version.
+    Version,
+}
+
+fn tracing_level(level: &str) -> tracing_subscriber::filter::LevelFilter {
+    use tracing_subscriber::filter::LevelFilter;
+    match level {
+        "none" => LevelFilter::OFF,
+        "fatal" | "error" => LevelFilter::ERROR,
+        "warn" => LevelFilter::WARN,
+        "debug" => LevelFilter::DEBUG,
+        _ => LevelFilter::INFO,
+    }
+}
+
+/// Logs go to stderr; stdout carries command output (the path printed by `install --once`).
+fn init_logging(log: &LogArgs) -> Result<(), config::ConfigError> {
+    let level = tracing_level(&log.level_of("cni-agent")?);
+    let builder = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    if log.log_as_json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; running until killed");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+/// Runs the parsed command.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    if cli.command == Some(Command::Version) {
+        println!("install-cni {}", env!("CARGO_PKG_VERSION"));
+        return Ok(());
+    }
+    let cfg = InstallConfig::from_args(&cli.install, &cli.log)?;
+    tracing::info!(?cfg, "installer configuration");
+    let mut installer = Installer::new(cfg);
+    match cli.command {
+        Some(Command::Install { once: true }) => {
+            let path = tokio::select! {
+                r = installer.install_all() => r?,
+                _ = shutdown_signal() => anyhow::bail!("interrupted before the install completed"),
+            };
+            println!("{}", path.display());
+        }
+        Some(Command::Uninstall) => installer.uninstall()?,
+        _ => {
+            let result = tokio::select! {
+                r = installer.run() => r,
+                _ = shutdown_signal() => Ok(()),
+            };
+            let cleaned = installer.cleanup();
+            result?;
+            cleaned?;
+        }
+    }
+    Ok(())
+}
+
+/// Process entry point: parse, set up logging, run on a tokio runtime.
+pub fn main() -> ExitCode {
+    let cli: Cli = match config::parse_from(std::env::args_os(), &ProcessEnv) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    if let Err(e) = init_logging(&cli.log) {
+        eprintln!("install-cni: {e}");
+        return ExitCode::FAILURE;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("install-cni: tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
