@@ -1,0 +1,238 @@
+//! Plugin logging. stdout belongs to the CNI protocol, so records go to stderr (the runtime keeps
+//! it) as JSON lines; once the config names the agent's run dir they are also buffered and, at
+//! exit, handed to the agent over `<run dir>/log.sock` (`POST /log`, a JSON array of strings, one
+//! record each), so `kubectl logs` on the agent shows what the plugin did. That hand-off is best
+//! effort: 1 s at most, errors ignored, skipped when the socket does not exist.
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use cni_core::cmdadd::{LOG_PATH, LOG_SOCKET};
+use serde_json::{Map, Value};
+
+use crate::http::{self, Deadline, Request};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Debug,
+    Info,
+    Warn,
+    Error,
+    /// Nothing is logged.
+    None,
+}
+
+impl Level {
+    /// `plugin_log_level`; anything unrecognised (including empty) keeps the default, info.
+    pub fn parse(s: &str) -> Level {
+        match s.to_ascii_lowercase().as_str() {
+            "debug" => Level::Debug,
+            "warn" | "warning" => Level::Warn,
+            "error" => Level::Error,
+            "none" => Level::None,
+            _ => Level::Info,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Level::Debug => "debug",
+            Level::Info => "info",
+            Level::Warn => "warn",
+            Level::Error => "error",
+            Level::None => "none",
+        }
+    }
+}
+
+pub struct Log {
+    level: Level,
+    /// Set once the config is parsed: where `log.sock` lives. Records are buffered from then on.
+    run_dir: Option<PathBuf>,
+    buffer: Vec<String>,
+    /// Labels added to every record (the pod, once known).
+    labels: Vec<(String, String)>,
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Log {
+            level: Level::Info,
+            run_dir: None,
+            buffer: Vec::new(),
+            labels: Vec::new(),
+        }
+    }
+}
+
+impl Log {
+    pub fn configure(&mut self, level: &str, run_dir: PathBuf) {
+        self.level = Level::parse(level);
+        self.run_dir = Some(run_dir);
+    }
+
+    pub fn label(&mut self, key: &str, value: &str) {
+        self.labels.push((key.to_owned(), value.to_owned()));
+    }
+
+    pub fn debug(&mut self, msg: &str, kv: &[(&str, &str)]) {
+        self.record(Level::Debug, msg, kv);
+    }
+
+    pub fn info(&mut self, msg: &str, kv: &[(&str, &str)]) {
+        self.record(Level::Info, msg, kv);
+    }
+
+    pub fn warn(&mut self, msg: &str, kv: &[(&str, &str)]) {
+        self.record(Level::Warn, msg, kv);
+    }
+
+    pub fn error(&mut self, msg: &str, kv: &[(&str, &str)]) {
+        self.record(Level::Error, msg, kv);
+    }
+
+    fn record(&mut self, level: Level, msg: &str, kv: &[(&str, &str)]) {
+        if level < self.level || self.level == Level::None {
+            return;
+        }
+        let line = render(SystemTime::now(), level, msg, &self.labels, kv);
+        let _ = writeln!(std::io::stderr().lock(), "{line}");
+        if self.run_dir.is_some() {
+            self.buffer.push(line);
+        }
+    }
+
+    /// Hands the buffered records to the agent; called once, at exit.
+    pub fn flush_to_agent(&mut self) {
+        let Some(dir) = &self.run_dir else { return };
+        if self.buffer.is_empty() {
+            return;
+        }
+        let socket = dir.join(LOG_SOCKET);
+        if !socket.exists() {
+            return;
+        }
+        let body = serde_json::to_vec(&self.buffer).expect("in memory");
+        self.buffer.clear();
+        let until = Instant::now() + Duration::from_secs(1);
+        let Ok(stream) = UnixStream::connect(&socket) else {
+            return;
+        };
+        let mut stream = Deadline::new(stream, until);
+        let req = Request {
+            method: "POST",
+            host: "unix",
+            path: LOG_PATH,
+            headers: &[("Content-Type", "application/json")],
+            body: &body,
+        };
+        let _ = http::exchange(&mut stream, &req, 64 * 1024);
+    }
+}
+
+fn render(
+    now: SystemTime,
+    level: Level,
+    msg: &str,
+    labels: &[(String, String)],
+    kv: &[(&str, &str)],
+) -> String {
+    let mut m = Map::new();
+    m.insert("time".into(), Value::String(rfc3339_micros(now)));
+    m.insert("level".into(), Value::String(level.name().into()));
+    m.insert("msg".into(), Value::String(msg.into()));
+    for (k, v) in labels {
+        m.insert(k.clone(), Value::String(v.clone()));
+    }
+    for (k, v) in kv {
+        m.insert((*k).into(), Value::String((*v).into()));
+    }
+    // Fixed leading keys make the lines readable; serde_json's map would sort them.
+    let mut out = String::from("{");
+    for key in ["time", "level", "msg"] {
+        let v = m.remove(key).expect("inserted above");
+        out.push_str(&format!("{}:{},", Value::String(key.into()), v));
+    }
+    for (k, v) in m {
+        out.push_str(&format!("{}:{},", Value::String(k), v));
+    }
+    out.pop();
+    out.push('}');
+    out
+}
+
+/// `YYYY-MM-DDTHH:MM:SS.uuuuuuZ` in UTC, the format Istio's logger uses and the agent parses.
+pub fn rfc3339_micros(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, mo, da) = civil_from_days(days as i64);
+    format!(
+        "{y:04}-{mo:02}-{da:02}T{:02}:{:02}:{:02}.{:06}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_micros()
+    )
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps() {
+        assert_eq!(rfc3339_micros(UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
+        let t = UNIX_EPOCH + Duration::from_micros(1_709_210_096_123_456);
+        assert_eq!(rfc3339_micros(t), "2024-02-29T12:34:56.123456Z");
+        let t = UNIX_EPOCH + Duration::from_secs(4_102_444_799);
+        assert_eq!(rfc3339_micros(t), "2099-12-31T23:59:59.000000Z");
+    }
+
+    #[test]
+    fn records_are_json_with_fixed_leading_keys() {
+        let labels = vec![("pod".to_owned(), "default/web-0".to_owned())];
+        let line = render(
+            UNIX_EPOCH,
+            Level::Warn,
+            "say \"hi\"",
+            &labels,
+            &[("reason", "x")],
+        );
+        assert_eq!(
+            line,
+            r#"{"time":"1970-01-01T00:00:00.000000Z","level":"warn","msg":"say \"hi\"","pod":"default/web-0","reason":"x"}"#
+        );
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["msg"], "say \"hi\"");
+    }
+
+    #[test]
+    fn levels() {
+        assert_eq!(Level::parse("DEBUG"), Level::Debug);
+        assert_eq!(Level::parse(""), Level::Info);
+        assert_eq!(Level::parse("none"), Level::None);
+        let mut log = Log::default();
+        log.configure("error", PathBuf::from("/nonexistent"));
+        log.info("dropped", &[]);
+        log.error("kept", &[]);
+        assert_eq!(log.buffer.len(), 1);
+        assert!(log.buffer[0].contains("\"kept\""));
+    }
+}
