@@ -36,6 +36,8 @@ pub enum IptablesError {
     Netns(#[from] NetnsError),
     #[error("cannot create a scratch namespace: {0}")]
     Scratch(String),
+    #[error("cannot prepare the scratch namespace: {0}")]
+    Prepare(String),
     #[error("cannot create lock directory {path}: {source}")]
     LockDir {
         path: PathBuf,
@@ -144,6 +146,13 @@ pub fn compare(current: &Owned, desired: &Owned) -> RuleState {
     RuleState::Drifted(drift)
 }
 
+/// Readies a scratch namespace before the desired rules are restored into it.
+pub type Prep<'a> = &'a dyn Fn(&Netns) -> Result<(), IptablesError>;
+
+fn no_prep(_: &Netns) -> Result<(), IptablesError> {
+    Ok(())
+}
+
 /// Drives one detected iptables variant.
 pub struct IptablesBackend {
     bins: Binaries,
@@ -216,7 +225,12 @@ impl IptablesBackend {
 
     /// The desired rules as this variant's `-save` prints them, learnt once per rule set by
     /// restoring them into a throwaway namespace.
-    fn canonical(&self, family: Family, rules: &[Rule]) -> Result<Arc<Owned>, IptablesError> {
+    fn canonical(
+        &self,
+        family: Family,
+        rules: &[Rule],
+        prep: Prep<'_>,
+    ) -> Result<Arc<Owned>, IptablesError> {
         if rules.is_empty() {
             return Ok(Arc::new(Owned::new()));
         }
@@ -231,6 +245,7 @@ impl IptablesBackend {
             return Ok(hit.clone());
         }
         let scratch = scratch_netns()?;
+        prep(&scratch)?;
         let runner = self.runner(&scratch, true)?;
         self.restore(&runner, family, &key.1)?;
         let learnt = Arc::new(owned(&self.save(&runner, family)?));
@@ -251,13 +266,14 @@ impl IptablesBackend {
         runner: &Runner<'_>,
         family: Family,
         rules: &[Rule],
+        prep: Prep<'_>,
     ) -> Result<(TablesState, RuleState), IptablesError> {
         let current = match self.save(runner, family) {
             Ok(s) => s,
             Err(_) if rules.is_empty() => return Ok((TablesState::default(), RuleState::InSync)),
             Err(e) => return Err(e),
         };
-        let desired = self.canonical(family, rules)?;
+        let desired = self.canonical(family, rules, prep)?;
         let verdict = compare(&owned(&current), &desired);
         Ok((current, verdict))
     }
@@ -269,13 +285,14 @@ impl IptablesBackend {
         netns: &Netns,
         scoped_lock: bool,
         rules_for: impl Fn(Family) -> Vec<Rule>,
+        prep: Prep<'_>,
     ) -> Result<Vec<RuleState>, IptablesError> {
         let runner = self.runner(netns, scoped_lock)?;
         let mut before = Vec::new();
         let mut plans = Vec::new();
         for family in [Family::V4, Family::V6] {
             let rules = rules_for(family);
-            let (current, verdict) = self.family_state(&runner, family, &rules)?;
+            let (current, verdict) = self.family_state(&runner, family, &rules, prep)?;
             if verdict != RuleState::InSync {
                 plans.push((family, replace_restore_text(&current, &rules)));
             }
@@ -310,26 +327,29 @@ impl IptablesBackend {
         netns: &Netns,
         scoped_lock: bool,
         rules_for: impl Fn(Family) -> Vec<Rule>,
+        prep: Prep<'_>,
     ) -> Result<RuleState, IptablesError> {
         let runner = self.runner(netns, scoped_lock)?;
         let mut states = Vec::new();
         for family in [Family::V4, Family::V6] {
             let rules = rules_for(family);
             states.push((
-                self.family_state(&runner, family, &rules)?.1,
+                self.family_state(&runner, family, &rules, prep)?.1,
                 !rules.is_empty(),
             ));
         }
         Ok(merge(states))
     }
 
-    /// Programs `rules_for(family)` in the caller's own (host) namespace with the global lock.
+    /// Programs `rules_for(family)` in a host namespace with the global lock. `prep` readies the
+    /// scratch namespace used to learn the canonical form (e.g. creates sets the rules refer to).
     pub fn converge_host(
         &self,
         netns: &Netns,
         rules_for: impl Fn(Family) -> Vec<Rule>,
+        prep: Prep<'_>,
     ) -> Result<(), IptablesError> {
-        self.converge(netns, false, rules_for).map(|_| ())
+        self.converge(netns, false, rules_for, prep).map(|_| ())
     }
 
     /// Reads the host state against `rules_for`.
@@ -337,8 +357,9 @@ impl IptablesBackend {
         &self,
         netns: &Netns,
         rules_for: impl Fn(Family) -> Vec<Rule>,
+        prep: Prep<'_>,
     ) -> Result<RuleState, IptablesError> {
-        self.state(netns, false, rules_for)
+        self.state(netns, false, rules_for, prep)
     }
 }
 
@@ -421,16 +442,16 @@ impl InpodRules for IptablesBackend {
     }
 
     fn apply(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), RuleError> {
-        self.converge(netns, true, rules_for(cfg))?;
+        self.converge(netns, true, rules_for(cfg), &no_prep)?;
         Ok(())
     }
 
     fn verify(&self, netns: &Netns, cfg: &InpodConfig) -> Result<RuleState, RuleError> {
-        Ok(self.state(netns, true, rules_for(cfg))?)
+        Ok(self.state(netns, true, rules_for(cfg), &no_prep)?)
     }
 
     fn remove(&self, netns: &Netns, _cfg: &InpodConfig) -> Result<(), RuleError> {
-        self.converge(netns, true, |_| Vec::new())?;
+        self.converge(netns, true, |_| Vec::new(), &no_prep)?;
         if let Ok(runner) = self.runner(netns, true)
             && let Some(lock) = runner.lock_file
         {

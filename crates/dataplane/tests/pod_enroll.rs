@@ -1,0 +1,113 @@
+//! Enrollment primitives: routes and rules together, for every backend, and the rollback that
+//! keeps a failed enrollment from leaving half a pod behind.
+
+use cni_core::redirect::InpodConfig;
+use dataplane::inpod::{InpodRules, RuleError, RuleState};
+use dataplane::netns::Netns;
+use dataplane::test_support::TestNetns;
+use dataplane::{BackendOptions, backend, pod};
+
+#[test]
+fn unknown_backend_is_refused() {
+    let Err(e) = backend("ebpf", &BackendOptions::default()) else {
+        panic!("accepted")
+    };
+    assert!(e.to_string().contains("ebpf"));
+}
+
+#[test]
+fn enroll_verify_unenroll_each_backend() {
+    dataplane::require_root!();
+    for name in ["iptables", "nftables"] {
+        let b = backend(
+            name,
+            &BackendOptions {
+                ipv6: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let ns = TestNetns::new("pod");
+        let netns = ns.open();
+        let cfg = InpodConfig {
+            ipv6: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+            RuleState::Absent,
+            "{name}"
+        );
+        pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
+        pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
+        assert_eq!(
+            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+            RuleState::InSync,
+            "{name}"
+        );
+
+        // Losing the fwmark rule is drift, named in the report.
+        ns.exec(
+            "ip",
+            &["rule", "del", "fwmark", "0x111/0xfff", "table", "100"],
+        );
+        let RuleState::Drifted(d) = pod::verify(&netns, &cfg, b.as_ref()).unwrap() else {
+            panic!("{name}")
+        };
+        assert!(
+            d.to_string()
+                .contains("- ip rule fwmark 0x111/0xfff lookup 100 pref 32764"),
+            "{name}: {d}"
+        );
+        pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
+        assert_eq!(
+            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+            RuleState::InSync,
+            "{name}"
+        );
+
+        pod::unenroll(&netns, &cfg, b.as_ref()).unwrap();
+        assert_eq!(
+            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+            RuleState::Absent,
+            "{name}"
+        );
+        assert_eq!(ns.exec("ip", &["route", "show", "table", "100"]).trim(), "");
+        assert!(!ns.exec("ip", &["rule"]).contains("0x111"));
+    }
+}
+
+/// A backend whose apply always fails after nothing: proves the routes added first are undone.
+struct Failing;
+
+impl InpodRules for Failing {
+    fn name(&self) -> &'static str {
+        "failing"
+    }
+    fn render(&self, _: &InpodConfig) -> String {
+        String::new()
+    }
+    fn apply(&self, _: &Netns, _: &InpodConfig) -> Result<(), RuleError> {
+        Err(RuleError::Backend {
+            backend: "failing",
+            source: "refused".into(),
+        })
+    }
+    fn verify(&self, _: &Netns, _: &InpodConfig) -> Result<RuleState, RuleError> {
+        Ok(RuleState::Absent)
+    }
+    fn remove(&self, _: &Netns, _: &InpodConfig) -> Result<(), RuleError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn failed_enroll_of_a_fresh_pod_leaves_no_routes() {
+    dataplane::require_root!();
+    let ns = TestNetns::new("podfail");
+    let netns = ns.open();
+    let err = pod::enroll(&netns, &InpodConfig::default(), &Failing).unwrap_err();
+    assert!(err.to_string().contains("refused"), "{err}");
+    assert_eq!(ns.exec("ip", &["route", "show", "table", "100"]).trim(), "");
+    assert!(!ns.exec("ip", &["rule"]).contains("0x111"));
+}
