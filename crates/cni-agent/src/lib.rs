@@ -6,5 +6,7 @@ pub mod hostfs;
 pub mod install;
 pub mod http;
 pub mod metrics;
+pub mod netns_cache;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod zds;

@@ -2,3 +2,4 @@
 //! for tests and with the `testing` feature; never part of the shipped agent.
 
 pub mod kube;
+pub mod zds_peer;

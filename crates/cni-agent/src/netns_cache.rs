@@ -1,0 +1,176 @@
+//! Pod UID → open network namespace, the agent's memory of every pod it enrolled.
+//!
+//! Each entry keeps its netns fd open for as long as the pod is enrolled: the same namespace is
+//! handed to every ztunnel that connects later (the ZDS snapshot reads this cache), and an open fd
+//! is the only handle that survives the runtime unmounting `/var/run/netns/<name>`. An entry
+//! without a netns (`ensure`) is a pod we consider enrolled but whose namespace we could not find,
+//! e.g. after an agent restart; the snapshot sends those as Keep so ztunnel does not tear them down.
+
+use std::collections::HashMap;
+use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cni_core::zds::WorkloadInfo;
+use dataplane::netns::{Netns, NetnsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsCacheError {
+    #[error("netns path {0:?} must be absolute and must not contain '..'")]
+    BadPath(String),
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+}
+
+/// What the cache knows about one pod.
+#[derive(Debug, Clone, Default)]
+pub struct PodEntry {
+    pub workload: Option<WorkloadInfo>,
+    pub netns: Option<Arc<Netns>>,
+}
+
+/// One snapshot item for a freshly connected ztunnel.
+#[derive(Debug, Clone)]
+pub struct SnapshotEntry {
+    pub uid: String,
+    pub entry: PodEntry,
+}
+
+#[derive(Debug)]
+pub struct NetnsCache {
+    host_prefix: PathBuf,
+    pods: Mutex<HashMap<String, PodEntry>>,
+}
+
+impl NetnsCache {
+    /// `host_prefix` is where the host's root is mounted in the agent container (`/host`); the
+    /// runtime's `CNI_NETNS` paths are resolved beneath it.
+    pub fn new(host_prefix: impl Into<PathBuf>) -> Self {
+        NetnsCache {
+            host_prefix: host_prefix.into(),
+            pods: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, PodEntry>> {
+        // A panic while holding the lock cannot leave a half-written map entry behind.
+        self.pods
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Opens the runtime-reported `CNI_NETNS` beneath the host prefix, refusing anything that is
+    /// not a network namespace and any path that could climb out of the prefix.
+    pub fn open_netns(&self, cni_netns: &str) -> Result<Netns, NetnsCacheError> {
+        let path = Path::new(cni_netns);
+        if !path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
+            return Err(NetnsCacheError::BadPath(cni_netns.to_string()));
+        }
+        let relative = path.strip_prefix("/").unwrap_or(path);
+        Ok(Netns::open(self.host_prefix.join(relative))?)
+    }
+
+    /// Records `netns` for `uid`. When the cached namespace is the same one (same nsfs inode and
+    /// device) the cached handle is kept and the new one closed, so fds do not pile up on repeated
+    /// adds; a different namespace (sandbox recreated) replaces it. Returns the handle in use.
+    pub fn upsert(&self, uid: &str, workload: WorkloadInfo, netns: Netns) -> Arc<Netns> {
+        let mut pods = self.lock();
+        let entry = pods.entry(uid.to_string()).or_default();
+        entry.workload = Some(workload);
+        match &entry.netns {
+            Some(cached) if cached.id() == netns.id() => cached.clone(),
+            _ => {
+                let netns = Arc::new(netns);
+                entry.netns = Some(netns.clone());
+                netns
+            }
+        }
+    }
+
+    /// Makes `uid` known without a netns (kept as-is when already present).
+    pub fn ensure(&self, uid: &str) {
+        self.lock().entry(uid.to_string()).or_default();
+    }
+
+    /// Same as [`ensure`](Self::ensure), remembering the workload identity too.
+    pub fn ensure_with(&self, uid: &str, workload: WorkloadInfo) {
+        self.lock().entry(uid.to_string()).or_default().workload = Some(workload);
+    }
+
+    /// Removes `uid`; its netns fd closes when the last user (e.g. an in-flight send) drops it.
+    pub fn take(&self, uid: &str) -> Option<PodEntry> {
+        self.lock().remove(uid)
+    }
+
+    pub fn get(&self, uid: &str) -> Option<PodEntry> {
+        self.lock().get(uid).cloned()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A consistent copy of every entry; the Arcs keep the fds open while a snapshot is sent
+    /// without holding the lock.
+    pub fn snapshot(&self) -> Vec<SnapshotEntry> {
+        self.lock()
+            .iter()
+            .map(|(uid, entry)| SnapshotEntry {
+                uid: uid.clone(),
+                entry: entry.clone(),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> WorkloadInfo {
+        WorkloadInfo::new("pod", "ns", "sa")
+    }
+
+    #[test]
+    fn same_namespace_keeps_the_cached_handle() {
+        let cache = NetnsCache::new("/");
+        let first = cache.upsert("u", info(), Netns::current().unwrap());
+        let again = Netns::current().unwrap();
+        let kept = cache.upsert("u", info(), again);
+        assert!(Arc::ptr_eq(&first, &kept));
+        assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn ensure_then_take() {
+        let cache = NetnsCache::new("/");
+        cache.ensure("u");
+        let entry = cache.get("u").unwrap();
+        assert!(entry.netns.is_none() && entry.workload.is_none());
+        assert!(cache.take("u").is_some());
+        assert!(cache.take("u").is_none());
+        assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn open_resolves_beneath_the_prefix_and_refuses_escapes() {
+        let cache = NetnsCache::new("/proc/self");
+        let ns = cache.open_netns("/ns/net").unwrap();
+        assert_eq!(ns.id(), Netns::current().unwrap().id());
+        assert!(matches!(
+            cache.open_netns("/../self/ns/net"),
+            Err(NetnsCacheError::BadPath(_))
+        ));
+        assert!(matches!(
+            cache.open_netns("ns/net"),
+            Err(NetnsCacheError::BadPath(_))
+        ));
+        assert!(matches!(
+            cache.open_netns("/ns/mnt"),
+            Err(NetnsCacheError::Netns(NetnsError::NotNetns { .. }))
+        ));
+    }
+}
