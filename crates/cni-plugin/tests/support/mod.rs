@@ -1,0 +1,207 @@
+//! Real peers for the plugin binary: HTTP/1.1 servers on a unix socket (the agent) and on
+//! 127.0.0.1 (the API server), each a std thread that records every request it got.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    pub method: String,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Recorded {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+pub type Handler = dyn Fn(&Recorded) -> (u16, Vec<u8>) + Send + Sync;
+
+enum Listener {
+    Unix(UnixListener, PathBuf),
+    Tcp(TcpListener),
+}
+
+pub struct Server {
+    pub requests: Arc<Mutex<Vec<Recorded>>>,
+    stop: Arc<AtomicBool>,
+    wake: Box<dyn Fn() + Send>,
+    thread: Option<JoinHandle<()>>,
+    pub port: u16,
+}
+
+impl Server {
+    /// An agent on `socket`.
+    pub fn unix(
+        socket: &Path,
+        handler: impl Fn(&Recorded) -> (u16, Vec<u8>) + Send + Sync + 'static,
+    ) -> Server {
+        let l = UnixListener::bind(socket).expect("bind unix socket");
+        let path = socket.to_owned();
+        Server::start(
+            Listener::Unix(l, path.clone()),
+            Arc::new(handler),
+            Box::new(move || {
+                let _ = UnixStream::connect(&path);
+            }),
+        )
+    }
+
+    /// An API server on 127.0.0.1.
+    pub fn tcp(handler: impl Fn(&Recorded) -> (u16, Vec<u8>) + Send + Sync + 'static) -> Server {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind tcp");
+        let port = l.local_addr().unwrap().port();
+        let mut s = Server::start(
+            Listener::Tcp(l),
+            Arc::new(handler),
+            Box::new(move || {
+                let _ = TcpStream::connect(("127.0.0.1", port));
+            }),
+        );
+        s.port = port;
+        s
+    }
+
+    fn start(listener: Listener, handler: Arc<Handler>, wake: Box<dyn Fn() + Send>) -> Server {
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (r, st) = (requests.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            loop {
+                let conn: Box<dyn ReadWrite> = match &listener {
+                    Listener::Unix(l, _) => match l.accept() {
+                        Ok((c, _)) => Box::new(c),
+                        Err(_) => continue,
+                    },
+                    Listener::Tcp(l) => match l.accept() {
+                        Ok((c, _)) => Box::new(c),
+                        Err(_) => continue,
+                    },
+                };
+                if st.load(Ordering::SeqCst) {
+                    break;
+                }
+                serve(conn, &r, handler.as_ref());
+            }
+            if let Listener::Unix(_, path) = &listener {
+                let _ = std::fs::remove_file(path);
+            }
+        });
+        Server {
+            requests,
+            stop,
+            wake,
+            thread: Some(thread),
+            port: 0,
+        }
+    }
+
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.requests.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        (self.wake)();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}
+
+fn serve(mut conn: Box<dyn ReadWrite>, log: &Mutex<Vec<Recorded>>, handler: &Handler) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        match conn.read(&mut chunk) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let mut first = lines.next().unwrap_or_default().split(' ');
+    let method = first.next().unwrap_or_default().to_owned();
+    let path = first.next().unwrap_or_default().to_owned();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let len: usize = headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[head_end + 4..].to_vec();
+    while body.len() < len {
+        match conn.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => body.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let req = Recorded {
+        method,
+        path,
+        headers,
+        body,
+    };
+    log.lock().unwrap().push(req.clone());
+    let (status, reply) = handler(&req);
+    if status == 0 {
+        // Status 0: accept and stay silent, like a hung agent.
+        std::thread::sleep(std::time::Duration::from_secs(7));
+        return;
+    }
+    let head = format!(
+        "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        reply.len()
+    );
+    let _ = conn.write_all(head.as_bytes());
+    let _ = conn.write_all(&reply);
+}
+
+pub struct Output {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs the built plugin with exactly `env` (nothing inherited) and `stdin`.
+pub fn run_plugin(env: &[(&str, &str)], stdin: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_istio-cni"))
+        .env_clear()
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn istio-cni");
+    // VERSION never reads stdin: a closed pipe is fine then.
+    let _ = child.stdin.take().unwrap().write_all(stdin.as_bytes());
+    let out = child.wait_with_output().unwrap();
+    Output {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8(out.stdout).unwrap(),
+        stderr: String::from_utf8(out.stderr).unwrap(),
+    }
+}
