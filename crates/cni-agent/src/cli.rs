@@ -32,6 +32,8 @@ pub enum Command {
     Uninstall,
     /// Print the version.
     Version,
+    /// Program, verify or remove pod/host redirection by hand.
+    Dataplane(crate::dataplane_cli::DataplaneArgs),
 }
 
 fn tracing_level(level: &str) -> tracing_subscriber::filter::LevelFilter {
@@ -115,6 +117,16 @@ pub fn main() -> ExitCode {
     if let Err(e) = init_logging(&cli.log) {
         eprintln!("install-cni: {e}");
         return ExitCode::FAILURE;
+    }
+    // Synchronous and self-contained: no runtime, no installer configuration.
+    if let Some(Command::Dataplane(args)) = cli.command {
+        return crate::dataplane_cli::run(args).unwrap_or_else(|e| {
+            eprintln!(
+                "install-cni dataplane: {}",
+                crate::dataplane_cli::describe(&e)
+            );
+            ExitCode::from(2)
+        });
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

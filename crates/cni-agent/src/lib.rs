@@ -2,6 +2,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod dataplane_cli;
 pub mod hostfs;
 pub mod install;
 pub mod http;

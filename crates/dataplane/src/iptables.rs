@@ -334,7 +334,7 @@ impl IptablesBackend {
         for family in [Family::V4, Family::V6] {
             let rules = rules_for(family);
             states.push((
-                self.family_state(&runner, family, &rules, prep)?.1,
+                tag(family, self.family_state(&runner, family, &rules, prep)?.1),
                 !rules.is_empty(),
             ));
         }
@@ -370,6 +370,25 @@ fn rules_for(cfg: &InpodConfig) -> impl Fn(Family) -> Vec<Rule> + '_ {
         } else {
             inpod_rules(cfg, family)
         }
+    }
+}
+
+/// Marks IPv6 drift lines, which otherwise read exactly like their IPv4 twins.
+fn tag(family: Family, state: RuleState) -> RuleState {
+    match (family, state) {
+        (Family::V6, RuleState::Drifted(d)) => RuleState::Drifted(Drift {
+            missing: d
+                .missing
+                .into_iter()
+                .map(|l| format!("(ipv6) {l}"))
+                .collect(),
+            unexpected: d
+                .unexpected
+                .into_iter()
+                .map(|l| format!("(ipv6) {l}"))
+                .collect(),
+        }),
+        (_, s) => s,
     }
 }
 

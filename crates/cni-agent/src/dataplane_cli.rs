@@ -1,0 +1,310 @@
+//! `install-cni dataplane …`: program, check or remove the redirection of one pod namespace (or
+//! the host probe rules) by hand, with the same code the agent uses. For debugging a node and
+//! for tests; `verify` exits 1 and prints the difference when the namespace has drifted.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{ArgAction, Args, Subcommand, ValueEnum};
+use cni_core::redirect::InpodConfig;
+use cni_core::redirect::overrides::{interface_list, parse_bool};
+use dataplane::inpod::RuleState;
+use dataplane::netns::Netns;
+use dataplane::{BackendOptions, backend, pod};
+
+#[derive(Args, Debug, Clone, PartialEq, Eq)]
+pub struct DataplaneArgs {
+    #[command(subcommand)]
+    pub target: Target,
+}
+
+#[derive(Subcommand, Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// Routes and rules inside a pod network namespace.
+    Inpod(InpodArgs),
+    /// Probe SNAT rules (and probe address sets) in this process's (host) namespace.
+    Host(HostArgs),
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Apply,
+    Verify,
+    Remove,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendName {
+    Iptables,
+    Nftables,
+}
+
+impl BackendName {
+    fn as_str(self) -> &'static str {
+        match self {
+            BackendName::Iptables => "iptables",
+            BackendName::Nftables => "nftables",
+        }
+    }
+}
+
+fn go_bool(s: &str) -> Result<bool, String> {
+    parse_bool(s).ok_or_else(|| {
+        format!("{s:?} is not a boolean (1/t/T/TRUE/true/True, 0/f/F/FALSE/false/False)")
+    })
+}
+
+#[derive(Args, Debug, Clone, PartialEq, Eq)]
+pub struct Common {
+    #[arg(long, value_enum, default_value = "iptables")]
+    pub backend: BackendName,
+    /// Also program IPv6.
+    #[arg(long, env = "AMBIENT_IPV6", default_value = "false", value_parser = go_bool, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub ipv6: bool,
+    /// Force the iptables variant (`legacy` or `nft`) instead of detecting it.
+    #[arg(long, env = "FORCE_IPTABLES_BINARY")]
+    pub force_iptables_binary: Option<String>,
+    /// Print what would be programmed and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+#[derive(Args, Debug, Clone, PartialEq, Eq)]
+pub struct InpodArgs {
+    #[arg(value_enum)]
+    pub action: Action,
+    /// Network namespace file (`/var/run/netns/<name>`, `/proc/<pid>/ns/net`).
+    #[arg(long)]
+    pub netns: PathBuf,
+    #[command(flatten)]
+    pub common: Common,
+    /// Capture DNS to ztunnel's DNS proxy.
+    #[arg(long, env = "AMBIENT_DNS_CAPTURE", default_value = "true", value_parser = go_bool, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub dns_capture: bool,
+    /// Capture outbound only (`ambient.istio.io/bypass-inbound-capture`).
+    #[arg(long)]
+    pub bypass_inbound: bool,
+    /// Interfaces whose inbound TCP is treated as outbound (comma-separated).
+    #[arg(long, default_value = "")]
+    pub reroute_virtual_interfaces: String,
+}
+
+#[derive(Args, Debug, Clone, PartialEq, Eq)]
+pub struct HostArgs {
+    #[arg(value_enum)]
+    pub action: Action,
+    #[command(flatten)]
+    pub common: Common,
+    /// nftables only: where to look for kubelet to learn its socket UID.
+    #[arg(long, default_value = "/proc")]
+    pub proc_root: PathBuf,
+}
+
+fn options(c: &Common) -> BackendOptions {
+    BackendOptions {
+        force_iptables: c.force_iptables_binary.clone(),
+        ipv6: c.ipv6,
+    }
+}
+
+/// The error and its causes, skipping causes the message above already spells out (many of
+/// our errors embed their source in their own text).
+pub fn describe(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
+/// Runs the command: exit 0 on success (or in sync), 1 when `verify` finds drift or absence.
+pub fn run(args: DataplaneArgs) -> anyhow::Result<ExitCode> {
+    match args.target {
+        Target::Inpod(a) => inpod(a),
+        Target::Host(a) => host(a),
+    }
+}
+
+fn inpod(a: InpodArgs) -> anyhow::Result<ExitCode> {
+    let cfg = InpodConfig {
+        redirect_dns: a.dns_capture,
+        ipv6: a.common.ipv6,
+        ingress_mode: a.bypass_inbound,
+        reroute_virtual_interfaces: interface_list(&a.reroute_virtual_interfaces)?,
+        ..InpodConfig::default()
+    };
+    let b = backend(a.common.backend.as_str(), &options(&a.common))?;
+    if a.common.dry_run {
+        print!("{}", b.render(&cfg));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let netns = Netns::open(&a.netns)?;
+    match a.action {
+        Action::Apply => pod::enroll(&netns, &cfg, b.as_ref()).context("apply")?,
+        Action::Remove => pod::unenroll(&netns, &cfg, b.as_ref()).context("remove")?,
+        Action::Verify => return Ok(report(pod::verify(&netns, &cfg, b.as_ref())?)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn report(state: RuleState) -> ExitCode {
+    match state {
+        RuleState::InSync => {
+            println!("in sync");
+            ExitCode::SUCCESS
+        }
+        RuleState::Absent => {
+            println!("absent: no redirection programmed");
+            ExitCode::FAILURE
+        }
+        RuleState::Drifted(d) => {
+            println!("drifted (- missing, + unexpected):");
+            print!("{d}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn host(a: HostArgs) -> anyhow::Result<ExitCode> {
+    let cfg = InpodConfig {
+        ipv6: a.common.ipv6,
+        ..InpodConfig::default()
+    };
+    let host = Netns::current()?;
+    match a.common.backend {
+        BackendName::Iptables => {
+            let b = dataplane::iptables::IptablesBackend::detect(
+                a.common.force_iptables_binary.as_deref(),
+                cfg.ipv6,
+            )?;
+            if a.common.dry_run {
+                for f in cni_core::redirect::iptables::families(&cfg) {
+                    print!(
+                        "{}",
+                        cni_core::redirect::iptables::restore_text(
+                            &cni_core::redirect::iptables::host_probe_rules(&cfg, f)
+                        )
+                    );
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            match a.action {
+                Action::Apply => dataplane::host::apply_rules(&host, &b, &cfg)?,
+                Action::Remove => dataplane::host::remove_rules(&host, &b)?,
+                Action::Verify => {
+                    return Ok(report(dataplane::host::verify_rules(&host, &b, &cfg)?));
+                }
+            }
+        }
+        BackendName::Nftables => {
+            let kubelet_uid = dataplane::nft::host::kubelet_uid(&a.proc_root)?;
+            let hcfg = cni_core::redirect::nft::HostProbeConfig {
+                kubelet_uid,
+                ipv6: cfg.ipv6,
+                probe_snat_v4: cfg.probe_snat_v4,
+                probe_snat_v6: cfg.probe_snat_v6,
+            };
+            match a.action {
+                Action::Apply if !a.common.dry_run => {
+                    dataplane::nft::host::apply_host_rules(&host, &hcfg)?
+                }
+                Action::Remove if !a.common.dry_run => {
+                    dataplane::nft::host::remove_host_rules(&host)?
+                }
+                Action::Verify => {
+                    anyhow::bail!("host verify is implemented for the iptables backend only")
+                }
+                _ => println!("{hcfg:?}"),
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(subcommand)]
+        target: Target,
+    }
+
+    fn parse(args: &[&str]) -> Result<Target, clap::Error> {
+        T::try_parse_from(std::iter::once("dataplane").chain(args.iter().copied()))
+            .map(|t| t.target)
+    }
+
+    #[test]
+    fn inpod_flags() {
+        let Target::Inpod(a) = parse(&[
+            "inpod",
+            "verify",
+            "--netns",
+            "/var/run/netns/x",
+            "--backend",
+            "nftables",
+            "--dns-capture=F",
+            "--ipv6",
+            "--bypass-inbound",
+            "--reroute-virtual-interfaces",
+            "vm0,vm1",
+        ])
+        .unwrap() else {
+            panic!("not inpod")
+        };
+        assert_eq!(a.action, Action::Verify);
+        assert_eq!(a.common.backend, BackendName::Nftables);
+        assert!(!a.dns_capture && a.common.ipv6 && a.bypass_inbound);
+        assert_eq!(a.reroute_virtual_interfaces, "vm0,vm1");
+    }
+
+    #[test]
+    fn bad_bool_is_a_usage_error() {
+        assert!(parse(&["inpod", "apply", "--netns", "/x", "--dns-capture=yes"]).is_err());
+    }
+
+    #[test]
+    fn bad_interface_fails_before_touching_anything() {
+        let Target::Inpod(a) = parse(&[
+            "inpod",
+            "apply",
+            "--netns",
+            "/nonexistent",
+            "--reroute-virtual-interfaces",
+            "a b",
+        ])
+        .unwrap() else {
+            panic!()
+        };
+        let err = inpod(a).unwrap_err().to_string();
+        assert!(err.contains("istio.io/reroute-virtual-interfaces"), "{err}");
+    }
+
+    #[test]
+    fn dry_run_prints_the_rules() {
+        let Target::Inpod(a) = parse(&[
+            "inpod",
+            "apply",
+            "--netns",
+            "/nonexistent",
+            "--dry-run",
+            "--backend",
+            "nftables",
+        ])
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(inpod(a).unwrap(), ExitCode::SUCCESS);
+    }
+}
