@@ -8,6 +8,7 @@ pub mod install;
 pub mod http;
 pub mod metrics;
 pub mod netns_cache;
+pub mod procfs;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod zds;

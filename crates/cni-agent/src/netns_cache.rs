@@ -173,4 +173,18 @@ mod tests {
             Err(NetnsCacheError::Netns(NetnsError::NotNetns { .. }))
         ));
     }
+
+    #[test]
+    fn different_namespace_replaces_the_handle() {
+        dataplane::require_root!();
+        let a = dataplane::test_support::TestNetns::new("cache-a");
+        let b = dataplane::test_support::TestNetns::new("cache-b");
+        let cache = NetnsCache::new("/");
+        let first = cache.upsert("u", info(), a.open());
+        let second = cache.upsert("u", info(), b.open());
+        assert!(!Arc::ptr_eq(&first, &second));
+        assert_eq!(cache.get("u").unwrap().netns.unwrap().id(), b.open().id());
+        let via_path = cache.open_netns(b.path().to_str().unwrap()).unwrap();
+        assert_eq!(via_path.id(), b.open().id());
+    }
 }
