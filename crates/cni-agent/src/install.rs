@@ -227,6 +227,15 @@ impl Installer {
 
     /// Whether the installed CNI config is what we would write now; `Err` says why not.
     pub fn check(&mut self) -> Result<(), String> {
+        // Changes made while no watch was active (during a throttle pause) must not be lost.
+        for bin_dir in &self.cfg.bin_dirs {
+            for bin in &self.installed_bins {
+                let path = bin_dir.join(bin);
+                if !std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_file()) {
+                    return Err(format!("{} is missing", path.display()));
+                }
+            }
+        }
         let dir = self.conf_dir();
         let names = discovery::config_filenames(dir.as_ref()).map_err(|e| e.to_string())?;
         let dir = dir.expect("listing succeeded");
@@ -337,40 +346,66 @@ impl Installer {
         }
     }
 
-    /// Waits until the primary config exists and returns its name (chained and owned modes).
-    async fn wait_for_primary(&self) -> Result<String, InstallError> {
-        let mut logged = false;
+    /// Waits until the primary config exists and parses; returns its name and our edit of it
+    /// (chained and owned modes). A primary that does not parse yet (still being written, or
+    /// broken) is waited on, never rewritten.
+    async fn wait_for_primary(&self) -> Result<(String, String), InstallError> {
+        let mut last_problem = None;
         loop {
             // Watch before looking, so a file created in between still wakes us.
             let mut watch = FileWatch::new([self.cfg.conf_dir.as_path()])?;
-            if let Some(dir) = self.conf_dir() {
-                let found = match &self.cfg.primary_name {
-                    Some(n) => self.resolve_named(&dir, n),
-                    None => match discovery::config_filenames(Some(&dir)) {
-                        Ok(names) => self.owned_primary(&dir, &names),
-                        Err(DiscoveryError::HostFs(e)) => return Err(e.into()),
-                        Err(_) => None,
-                    },
-                };
-                if let Some(found) = found {
-                    return Ok(found);
-                }
-            }
-            if !logged {
-                tracing::info!(
-                    "waiting for a primary CNI config ({}) in {}",
-                    self.cfg
-                        .primary_name
-                        .as_deref()
-                        .unwrap_or("any valid .conf/.conflist"),
-                    self.cfg.conf_dir.display()
-                );
-                logged = true;
+            let problem = match self.primary_edit()? {
+                Ok(found) => return Ok(found),
+                Err(problem) => problem,
+            };
+            if last_problem.as_ref() != Some(&problem) {
+                tracing::info!("waiting for the primary CNI config: {problem}");
+                last_problem = Some(problem);
             }
             tokio::select! {
                 r = watch.changed() => { r?; }
                 _ = tokio::time::sleep(RECHECK) => {}
             }
+        }
+    }
+
+    /// One look for the primary: `Ok(Ok(..))` found and edited, `Ok(Err(why))` not yet.
+    #[allow(
+        clippy::type_complexity,
+        reason = "two levels: fatal errors and not-yet"
+    )]
+    fn primary_edit(&self) -> Result<Result<(String, String), String>, InstallError> {
+        let Some(dir) = self.conf_dir() else {
+            return Ok(Err(format!(
+                "{} does not exist",
+                self.cfg.conf_dir.display()
+            )));
+        };
+        let found = match &self.cfg.primary_name {
+            Some(n) => self.resolve_named(&dir, n),
+            None => match discovery::config_filenames(Some(&dir)) {
+                Ok(names) => self.owned_primary(&dir, &names),
+                Err(DiscoveryError::HostFs(e)) => return Err(e.into()),
+                Err(e) => return Ok(Err(e.to_string())),
+            },
+        };
+        let Some(name) = found else {
+            let wanted = self
+                .cfg
+                .primary_name
+                .as_deref()
+                .unwrap_or("a valid .conf/.conflist");
+            return Ok(Err(format!(
+                "no {wanted} in {}",
+                self.cfg.conf_dir.display()
+            )));
+        };
+        let Some(bytes) = dir.read(&name)? else {
+            return Ok(Err(format!("{name} disappeared")));
+        };
+        match conflist::insert_entry(&bytes, &self.cfg.entry) {
+            Ok(content) => Ok(Ok((name, content))),
+            Err(e) => Ok(Err(self.conf_err(&name, e).to_string())),
         }
     }
 
@@ -395,28 +430,22 @@ impl Installer {
                 self.record(&dir, filename, None);
             }
             ConfMode::Owned { filename } => {
-                let primary = self.wait_for_primary().await?;
+                let (primary, content) = self.wait_for_primary().await?;
                 let dir = HostDir::open(&self.cfg.conf_dir)?;
-                let bytes = dir.read(&primary)?.unwrap_or_default();
-                let content = conflist::insert_entry(&bytes, &self.cfg.entry)
-                    .map_err(|e| self.conf_err(&primary, e))?;
                 dir.write_atomic(&filename, content.as_bytes(), created)?;
                 self.record(&dir, filename, Some(primary));
             }
             ConfMode::Chained => {
-                let primary = self.wait_for_primary().await?;
+                let (primary, content) = self.wait_for_primary().await?;
                 let dir = HostDir::open(&self.cfg.conf_dir)?;
                 let Some((_, mode)) = dir.lstat(&primary)? else {
                     return Err(HostFsError::Io {
-                        op: "read",
+                        op: "stat",
                         path: dir.join(&primary),
                         source: std::io::ErrorKind::NotFound.into(),
                     }
                     .into());
                 };
-                let bytes = dir.read(&primary)?.unwrap_or_default();
-                let content = conflist::insert_entry(&bytes, &self.cfg.entry)
-                    .map_err(|e| self.conf_err(&primary, e))?;
                 let target = match primary.strip_suffix(".conf") {
                     Some(base) => format!("{base}.conflist"),
                     None => primary.clone(),
@@ -480,10 +509,10 @@ impl Installer {
     pub fn uninstall(&mut self) -> Result<(), InstallError> {
         self.set_ready(false);
         let mut errors = Vec::new();
-        if let Some(dir) = self.conf_dir() {
-            if let Err(e) = self.uninstall_conf(&dir) {
-                errors.push(e);
-            }
+        if let Some(dir) = self.conf_dir()
+            && let Err(e) = self.uninstall_conf(&dir)
+        {
+            errors.push(e);
         }
         self.remove_kubeconfig_and_binaries(&mut errors);
         if errors.is_empty() {
