@@ -2,4 +2,5 @@
 //! for tests and with the `testing` feature; never part of the shipped agent.
 
 pub mod kube;
+pub mod pod_proxy;
 pub mod zds_peer;
