@@ -1,6 +1,7 @@
 //! Test kit: real components wired the way a node wires them (never mocks of them). Compiled only
 //! for tests and with the `testing` feature; never part of the shipped agent.
 
+pub mod cni_runtime;
 pub mod kube;
 pub mod pod_proxy;
 pub mod zds_peer;
