@@ -854,3 +854,68 @@ fn run_loop_standalone_file_removed_is_rewritten() {
     assert!(status.success(), "{stderr}");
     assert!(node.conf_files().is_empty(), "{:?}", node.conf_files());
 }
+
+#[test]
+fn owned_flag_without_ambient_edits_in_place_and_cleanup_keeps_the_primary() {
+    // Istio deleted the primary here (its cleanup looked at the raw flag).
+    let node = Node::new();
+    node.put("10-calico.conflist", &fixture("pre/calico.conflist"));
+    let extra = [("ISTIO_OWNED_CNI_CONFIG", "true")];
+    let stdout = node.run(&["install", "--once"], &extra);
+    assert_eq!(
+        stdout.trim(),
+        node.conf.join("10-calico.conflist").to_str().unwrap()
+    );
+    node.run(&["uninstall"], &extra);
+    assert_eq!(
+        node.read("10-calico.conflist"),
+        fixture("pre/calico.conflist")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_watch_loop_and_token_rotation_refreshes_kubeconfig() {
+    let node = Node::new();
+    node.put("10-calico.conflist", &fixture("pre/calico.conflist"));
+    let mut installer = Installer::new(node.config(&[]));
+    let mut ready = installer.readiness();
+    assert!(!*ready.borrow());
+    let task = tokio::spawn(async move { installer.run().await });
+    let limit = Duration::from_secs(10);
+    tokio::time::timeout(limit, ready.wait_for(|r| *r))
+        .await
+        .unwrap()
+        .unwrap();
+
+    // Token rotation: the loop yields (not ready), rewrites the kubeconfig, becomes ready again.
+    std::fs::write(node.sa.join("token"), "rotated_token").unwrap();
+    tokio::time::timeout(limit, ready.wait_for(|r| !*r))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(limit, ready.wait_for(|r| *r))
+        .await
+        .unwrap()
+        .unwrap();
+    let kc = std::fs::read_to_string(node.run.join("istio-cni-kubeconfig")).unwrap();
+    assert!(kc.contains("token: rotated_token\n"), "{kc}");
+
+    // An invalid config keeps it not ready; the repair brings it back.
+    node.put("10-calico.conflist", &fixture("pre/calico.conflist"));
+    tokio::time::timeout(limit, ready.wait_for(|r| !*r))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(limit, ready.wait_for(|r| *r))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(has_entry(&node.read("10-calico.conflist")));
+
+    assert!(
+        !task.is_finished(),
+        "the loop only ends on error or cancellation"
+    );
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+}
