@@ -1,0 +1,70 @@
+//! Per-pod cost of enroll (routes + rules), verify and unenroll, for each backend, on an empty
+//! node and with 250 pods already programmed. Needs root. `cargo bench -p dataplane`
+//! (`INPOD_BENCH_SAMPLES`, `INPOD_BENCH_BACKGROUND` adjust the sizes).
+
+use std::time::{Duration, Instant};
+
+use cni_core::redirect::InpodConfig;
+use dataplane::test_support::TestNetns;
+use dataplane::{BackendOptions, backend, pod};
+
+fn stats(mut v: Vec<Duration>) -> String {
+    v.sort();
+    let pick = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
+    format!(
+        "median {:>7.2} ms  p99 {:>7.2} ms",
+        pick(0.5).as_secs_f64() * 1e3,
+        pick(0.99).as_secs_f64() * 1e3
+    )
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("inpod bench needs root; skipped");
+        return;
+    }
+    let samples = env_usize("INPOD_BENCH_SAMPLES", 50);
+    let background = env_usize("INPOD_BENCH_BACKGROUND", 250);
+    let cfg = InpodConfig::default();
+    for name in ["iptables", "nftables"] {
+        let b = backend(name, &BackendOptions::default()).expect("backend");
+        for pods_before in [0, background] {
+            let others: Vec<TestNetns> = (0..pods_before).map(|_| TestNetns::new("bg")).collect();
+            for ns in &others {
+                pod::enroll(&ns.open(), &cfg, b.as_ref()).expect("background enroll");
+            }
+            let (mut apply, mut verify, mut remove) = (Vec::new(), Vec::new(), Vec::new());
+            // One warm-up pod so one-time costs (variant canonical form, module loads) are excluded.
+            for i in 0..=samples {
+                let ns = TestNetns::new("bench");
+                let netns = ns.open();
+                let t = Instant::now();
+                pod::enroll(&netns, &cfg, b.as_ref()).expect("enroll");
+                let a = t.elapsed();
+                let t = Instant::now();
+                let state = pod::verify(&netns, &cfg, b.as_ref()).expect("verify");
+                let v = t.elapsed();
+                assert_eq!(state, dataplane::inpod::RuleState::InSync);
+                let t = Instant::now();
+                pod::unenroll(&netns, &cfg, b.as_ref()).expect("unenroll");
+                let r = t.elapsed();
+                if i > 0 {
+                    apply.push(a);
+                    verify.push(v);
+                    remove.push(r);
+                }
+            }
+            println!("{name:<8} with {pods_before:>3} pods programmed, {samples} samples:");
+            println!("  apply  {}", stats(apply));
+            println!("  verify {}", stats(verify));
+            println!("  remove {}", stats(remove));
+        }
+    }
+}
