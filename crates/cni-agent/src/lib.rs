@@ -1,11 +1,12 @@
 //! The `install-cni` node agent: installer, ambient enrollment, ZDS server, repair and HTTP.
 
+pub mod ambient;
 pub mod cli;
 pub mod config;
 pub mod dataplane_cli;
 pub mod hostfs;
-pub mod install;
 pub mod http;
+pub mod install;
 pub mod metrics;
 pub mod netns_cache;
 pub mod procfs;

@@ -56,22 +56,35 @@ impl Netns {
     /// link whose namespace type is `CLONE_NEWNET`): any other file is refused.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, NetnsError> {
         let path = path.as_ref();
-        let open_err = |source| NetnsError::Open { path: path.to_owned(), source };
+        let open_err = |source| NetnsError::Open {
+            path: path.to_owned(),
+            source,
+        };
         let file = File::open(path).map_err(open_err)?;
         let fs = nix::sys::statfs::fstatfs(&file).map_err(|e| open_err(e.into()))?;
-        #[allow(clippy::useless_conversion, reason = "f_type width differs between libc targets")]
+        #[allow(
+            clippy::useless_conversion,
+            reason = "f_type width differs between libc targets"
+        )]
         let magic = i64::from(fs.filesystem_type().0);
         if magic != NSFS_MAGIC && magic != PROC_SUPER_MAGIC {
-            return Err(NetnsError::NotNetns { path: path.to_owned() });
+            return Err(NetnsError::NotNetns {
+                path: path.to_owned(),
+            });
         }
         // SAFETY: NS_GET_NSTYPE takes no argument and only reads the fd we own for this call.
         let nstype = unsafe { libc::ioctl(file.as_raw_fd(), NS_GET_NSTYPE as _) };
         if nstype != libc::CLONE_NEWNET {
-            return Err(NetnsError::NotNetns { path: path.to_owned() });
+            return Err(NetnsError::NotNetns {
+                path: path.to_owned(),
+            });
         }
         let meta = file.metadata().map_err(open_err)?;
         Ok(Netns {
-            id: NetnsId { dev: meta.dev(), ino: meta.ino() },
+            id: NetnsId {
+                dev: meta.dev(),
+                ino: meta.ino(),
+            },
             fd: file.into(),
         })
     }
@@ -86,7 +99,10 @@ impl Netns {
     }
 
     pub fn try_clone(&self) -> io::Result<Self> {
-        Ok(Netns { fd: self.fd.try_clone()?, id: self.id })
+        Ok(Netns {
+            fd: self.fd.try_clone()?,
+            id: self.id,
+        })
     }
 
     /// Runs `f` inside this namespace on a fresh OS thread, which exits afterwards.
@@ -97,8 +113,12 @@ impl Netns {
     {
         std::thread::scope(|scope| {
             let worker = scope.spawn(|| {
-                setns(self.fd.as_fd(), CloneFlags::CLONE_NEWNET)
-                    .map_err(|source| NetnsError::Enter { id: self.id, source })?;
+                setns(self.fd.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
+                    NetnsError::Enter {
+                        id: self.id,
+                        source,
+                    }
+                })?;
                 Ok(f())
             });
             worker.join().map_err(|panic| {

@@ -38,7 +38,11 @@ static NEXT: AtomicU32 = AtomicU32::new(0);
 impl TestNetns {
     /// Creates `<prefix>-<pid>-<n>` so parallel tests and processes never collide.
     pub fn new(prefix: &str) -> Self {
-        let name = format!("{prefix}-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let name = format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
         run("ip", &["netns", "add", &name]);
         run("ip", &["-n", &name, "link", "set", "lo", "up"]);
         TestNetns { name }
@@ -63,7 +67,9 @@ impl TestNetns {
 
 impl Drop for TestNetns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
     }
 }
 

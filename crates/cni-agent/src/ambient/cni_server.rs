@@ -1,0 +1,244 @@
+//! The plugin's socket, `<CNI_AGENT_RUN_DIR>/pluginevent.sock`: Istio's `POST /cmdadd` (so Istio's
+//! own plugin works against this agent) and our `POST /v1/cmdadd`, which also tells the plugin
+//! what to do with pods that are not ambient, so the plugin never calls the API server while the
+//! agent is up. Both answer success only once the pod is redirected and ztunnel acked it.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use k8s_openapi::api::core::v1::Pod;
+use tokio::net::{UnixListener, UnixStream};
+
+use cni_core::cmdadd::{CmdAddRequest, CmdAddResponse};
+use cni_core::reconcile::{Eligibility, Scope, eligibility};
+
+use super::cluster::{Annotator, SharedCache, facts};
+use super::mesh::{Mesh, unmap};
+use super::reconciler::Policy;
+use crate::metrics::{ResponseCodeLabel, observe};
+
+pub struct CniServer {
+    pub cache: SharedCache,
+    pub mesh: Arc<Mesh>,
+    pub policy: Arc<Policy>,
+    pub annotator: Annotator,
+}
+
+/// The cache may lag the API server by a moment when a pod's sandbox is created right after the
+/// pod; Istio meant to retry but never re-read (its QUIRK). We re-read the cache, then ask the
+/// API server directly.
+const CACHE_RETRIES: u32 = 10;
+const CACHE_RETRY_DELAY: Duration = Duration::from_millis(10);
+
+impl CniServer {
+    async fn lookup(&self, namespace: &str, name: &str) -> Result<(Arc<Pod>, Eligibility), String> {
+        let key = (namespace.to_string(), name.to_string());
+        let mut cached = None;
+        for attempt in 0..=CACHE_RETRIES {
+            cached = {
+                let c = self.cache.read().unwrap();
+                c.pods
+                    .get(&key)
+                    .cloned()
+                    .zip(c.namespaces.get(namespace).cloned())
+            };
+            if cached.is_some() {
+                break;
+            }
+            if attempt < CACHE_RETRIES {
+                tokio::time::sleep(CACHE_RETRY_DELAY).await;
+            }
+        }
+        let (pod, labels) = match cached {
+            Some(found) => found,
+            None => {
+                let pod = self
+                    .annotator
+                    .get_pod(namespace, name)
+                    .await
+                    .map_err(|e| format!("failed to get pod {namespace}/{name}: {e}"))?
+                    .ok_or_else(|| format!("failed to get pod {namespace}/{name}: not found"))?;
+                let labels = self
+                    .annotator
+                    .get_namespace_labels(namespace)
+                    .await
+                    .map_err(|e| format!("failed to get namespace {namespace}: {e}"))?
+                    .ok_or_else(|| format!("failed to get namespace {namespace}: not found"))?;
+                (Arc::new(pod), labels)
+            }
+        };
+        let scope = Scope {
+            selectors: &self.policy.selectors,
+            namespace_labels: &labels,
+            excluded: self.policy.exclude_namespaces.contains(namespace),
+        };
+        let why = eligibility(&facts(&pod).view, &scope);
+        Ok((pod, why))
+    }
+
+    async fn enroll(&self, pod: &Pod, req: &CmdAddRequest) -> Result<(), String> {
+        let ips: Vec<IpAddr> = req.ips.iter().map(|c| unmap(c.address.addr())).collect();
+        self.mesh
+            .add(pod, &ips, Some(&req.netns))
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    fn count(&self, code: StatusCode, started: Instant) {
+        let label = ResponseCodeLabel {
+            response_code: code.as_u16().to_string(),
+        };
+        self.mesh
+            .metrics
+            .plugin_requests
+            .get_or_create(&label)
+            .inc();
+        observe(&self.mesh.metrics.cni_add_seconds, started.elapsed());
+    }
+}
+
+fn parse(body: &[u8]) -> Result<CmdAddRequest, Response> {
+    if body.is_empty() {
+        return Err((StatusCode::BAD_REQUEST, "empty request body\n").into_response());
+    }
+    CmdAddRequest::from_json(body)
+        .map_err(|e| (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response())
+}
+
+fn internal(msg: String) -> Response {
+    (StatusCode::INTERNAL_SERVER_ERROR, format!("{msg}\n")).into_response()
+}
+
+/// Istio's endpoint: 200 with an empty body once enrolled; 500 with the reason otherwise.
+async fn istio_cmdadd(State(s): State<Arc<CniServer>>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let resp = match parse(&body) {
+        Err(r) => r,
+        Ok(req) => match s.lookup(&req.pod_namespace, &req.pod_name).await {
+            Err(e) => internal(e),
+            Ok((_, why)) if !why.is_selected() => internal(format!(
+                "pod {}/{} is unexpectedly not eligible for ambient enrollment: {why}",
+                req.pod_namespace, req.pod_name
+            )),
+            Ok((pod, _)) => match s.enroll(&pod, &req).await {
+                Ok(()) => StatusCode::OK.into_response(),
+                Err(e) => internal(e),
+            },
+        },
+    };
+    s.count(resp.status(), started);
+    resp
+}
+
+/// Our endpoint: the decision for any pod, enrolling it when it is ambient.
+async fn v1_cmdadd(State(s): State<Arc<CniServer>>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let resp = match parse(&body) {
+        Err(r) => r,
+        Ok(req) => match s.lookup(&req.pod_namespace, &req.pod_name).await {
+            Err(e) => internal(e),
+            Ok((pod, why)) => {
+                let decision = match why {
+                    Eligibility::Selected => match s.enroll(&pod, &req).await {
+                        Ok(()) => Ok(CmdAddResponse::Enrolled),
+                        Err(e) => Err(e),
+                    },
+                    Eligibility::SidecarPod => Ok(CmdAddResponse::Sidecar {
+                        pod: serde_json::to_value(&*pod).unwrap_or_default(),
+                    }),
+                    other => Ok(CmdAddResponse::NotAmbient {
+                        reason: other.to_string(),
+                    }),
+                };
+                match decision {
+                    Ok(d) => axum::Json(d).into_response(),
+                    Err(e) => internal(e),
+                }
+            }
+        },
+    };
+    s.count(resp.status(), started);
+    resp
+}
+
+pub fn router(server: Arc<CniServer>) -> Router {
+    Router::new()
+        .route("/cmdadd", post(istio_cmdadd))
+        .route("/v1/cmdadd", post(v1_cmdadd))
+        .with_state(server)
+}
+
+/// A unix listener that only hands out connections from allowed peer UIDs (`SO_PEERCRED`); the
+/// container runtime runs the plugin as root.
+pub struct PeerCheckedListener {
+    inner: UnixListener,
+    allowed_uids: Vec<u32>,
+}
+
+impl PeerCheckedListener {
+    /// Binds `path`, replacing a stale socket file; the parent directory is created 0750.
+    pub fn bind(path: &Path, allowed_uids: Vec<u32>) -> std::io::Result<Self> {
+        use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+        if let Some(dir) = path.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o750)
+                .create(dir)?;
+        }
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
+            Ok(_) => {
+                return Err(std::io::Error::other(format!(
+                    "{} exists and is not a socket",
+                    path.display()
+                )));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let inner = UnixListener::bind(path)?;
+        // Reachable by any local process; who may talk is decided by the peer check.
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+        Ok(PeerCheckedListener {
+            inner,
+            allowed_uids,
+        })
+    }
+}
+
+impl axum::serve::Listener for PeerCheckedListener {
+    type Io = UnixStream;
+    type Addr = tokio::net::unix::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            match self.inner.accept().await {
+                Ok((stream, addr)) => match stream.peer_cred() {
+                    Ok(cred) if self.allowed_uids.contains(&cred.uid()) => return (stream, addr),
+                    Ok(cred) => {
+                        tracing::warn!(uid = cred.uid(), pid = ?cred.pid(), "refused plugin socket peer")
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot read plugin socket peer credentials")
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "plugin socket accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}

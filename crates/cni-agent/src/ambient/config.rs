@@ -1,0 +1,180 @@
+//! Settings of the ambient node agent, with Istio's env names and defaults (reference §6.1), in
+//! the style of [`crate::config`]: flags read from env through `EnvSource`, validated into
+//! [`AmbientConfig`].
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
+
+use clap::{ArgAction, Args};
+
+use cni_core::enroll::{CompiledSelectors, EnablementSelector};
+use cni_core::redirect::InpodConfig;
+
+use crate::config::{ConfigError, go_bool};
+
+#[derive(Args, Debug, Clone)]
+pub struct AmbientArgs {
+    /// This node's name: the agent watches only pods scheduled here.
+    #[arg(long, env = "NODE_NAME", global = true)]
+    pub node_name: Option<String>,
+    /// ZDS socket ztunnel connects to.
+    #[arg(
+        long,
+        env = "ZTUNNEL_UDS_ADDRESS",
+        default_value = "/var/run/ztunnel/ztunnel.sock",
+        global = true
+    )]
+    pub ztunnel_uds_address: PathBuf,
+    /// Prometheus port (`/metrics`); 0 or less disables it.
+    #[arg(long, env = "MONITORING_PORT", default_value = "15014", global = true)]
+    pub monitoring_port: i32,
+    /// Health port (`/healthz`, `/readyz`).
+    #[arg(long, env = "HEALTH_PORT", default_value = "8000", global = true)]
+    pub health_port: u16,
+    /// Capture DNS to ztunnel's DNS proxy (per-pod annotation overrides).
+    #[arg(long, env = "AMBIENT_DNS_CAPTURE", default_value = "false", action = ArgAction::Set,
+          num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          value_parser = go_bool, global = true)]
+    pub ambient_dns_capture: bool,
+    /// Program IPv6 rules too.
+    #[arg(long, env = "AMBIENT_IPV6", default_value = "false", action = ArgAction::Set,
+          num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          value_parser = go_bool, global = true)]
+    pub ambient_ipv6: bool,
+    /// Re-verify (and repair) in-pod rules of enrolled pods at startup.
+    #[arg(long, env = "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", default_value = "false",
+          action = ArgAction::Set, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", value_parser = go_bool, global = true)]
+    pub ambient_reconcile_pod_rules_on_startup: bool,
+    /// Always clean up fully on shutdown, even during an upgrade.
+    #[arg(long, env = "AMBIENT_DISABLE_SAFE_UPGRADE", default_value = "false", action = ArgAction::Set,
+          num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          value_parser = go_bool, global = true)]
+    pub ambient_disable_safe_upgrade: bool,
+    /// Namespace of ztunnel pods (`app=ztunnel`), which are never enrolled.
+    #[arg(
+        long,
+        env = "SYSTEM_NAMESPACE",
+        default_value = "istio-system",
+        global = true
+    )]
+    pub system_namespace: String,
+    /// Source address kubelet probes are SNATed to.
+    #[arg(
+        long,
+        env = "HOST_PROBE_SNAT_IP",
+        default_value = "169.254.7.127",
+        global = true
+    )]
+    pub host_probe_snat_ip: Ipv4Addr,
+    #[arg(
+        long,
+        env = "HOST_PROBE_SNAT_IPV6",
+        default_value = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+        global = true
+    )]
+    pub host_probe_snat_ipv6: Ipv6Addr,
+    /// Where the host's filesystem is mounted: `CNI_NETNS` paths resolve beneath it.
+    #[arg(long, env = "HOST_PREFIX", default_value = "/host", global = true)]
+    pub host_prefix: PathBuf,
+    /// Switch to the host netns (`<HOST_PREFIX>/proc/1/ns/net`) for host-side rules.
+    #[arg(long, env = "ALLOW_SWITCH_TO_HOST_NS", default_value = "false", action = ArgAction::Set,
+          num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          value_parser = go_bool, global = true)]
+    pub allow_switch_to_host_ns: bool,
+    /// `legacy` or `nft`: force the iptables variant instead of detecting it.
+    #[arg(long, env = "FORCE_IPTABLES_BINARY", global = true)]
+    pub force_iptables_binary: Option<String>,
+    /// UIDs allowed to connect to the plugin and ZDS sockets (`SO_PEERCRED`).
+    #[arg(
+        long,
+        env = "ALLOWED_PEER_UIDS",
+        default_value = "0",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub allowed_peer_uids: Vec<u32>,
+}
+
+/// Validated ambient settings.
+#[derive(Debug, Clone)]
+pub struct AmbientConfig {
+    pub node_name: String,
+    pub zds_socket: PathBuf,
+    pub monitoring_port: Option<u16>,
+    pub health_port: u16,
+    pub inpod: InpodConfig,
+    pub reconcile_on_startup: bool,
+    pub disable_safe_upgrade: bool,
+    pub system_namespace: String,
+    pub host_prefix: PathBuf,
+    pub proc_dir: PathBuf,
+    pub switch_to_host_ns: bool,
+    pub force_iptables_binary: Option<String>,
+    pub allowed_peer_uids: Vec<u32>,
+    pub selectors: CompiledSelectors,
+    pub exclude_namespaces: BTreeSet<String>,
+}
+
+impl AmbientConfig {
+    /// `selectors` is the parsed `AMBIENT_ENABLEMENT_SELECTOR` (the installer parses it too, for
+    /// the plugin config); `exclude` the split `EXCLUDE_NAMESPACES`.
+    pub fn from_args(
+        a: &AmbientArgs,
+        selectors: &[EnablementSelector],
+        exclude: impl IntoIterator<Item = String>,
+    ) -> Result<Self, ConfigError> {
+        let node_name = a
+            .node_name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| ConfigError::Invalid {
+                option: "NODE_NAME",
+                reason: "required in ambient mode".into(),
+            })?;
+        if !a.host_probe_snat_ip.is_link_local() {
+            return Err(ConfigError::Invalid {
+                option: "HOST_PROBE_SNAT_IP",
+                reason: format!("{} is not in 169.254.0.0/16", a.host_probe_snat_ip),
+            });
+        }
+        if let Some(f) = a.force_iptables_binary.as_deref().filter(|f| !f.is_empty())
+            && f != "legacy"
+            && f != "nft"
+        {
+            return Err(ConfigError::Invalid {
+                option: "FORCE_IPTABLES_BINARY",
+                reason: format!("{f:?} is neither \"legacy\" nor \"nft\""),
+            });
+        }
+        let selectors =
+            CompiledSelectors::compile(selectors).map_err(|e| ConfigError::Invalid {
+                option: "AMBIENT_ENABLEMENT_SELECTOR",
+                reason: e.to_string(),
+            })?;
+        Ok(AmbientConfig {
+            node_name,
+            zds_socket: a.ztunnel_uds_address.clone(),
+            monitoring_port: u16::try_from(a.monitoring_port).ok().filter(|p| *p > 0),
+            health_port: a.health_port,
+            inpod: InpodConfig {
+                redirect_dns: a.ambient_dns_capture,
+                ipv6: a.ambient_ipv6,
+                probe_snat_v4: a.host_probe_snat_ip,
+                probe_snat_v6: a.host_probe_snat_ipv6,
+                ..InpodConfig::default()
+            },
+            reconcile_on_startup: a.ambient_reconcile_pod_rules_on_startup,
+            disable_safe_upgrade: a.ambient_disable_safe_upgrade,
+            system_namespace: a.system_namespace.clone(),
+            proc_dir: a.host_prefix.join("proc"),
+            host_prefix: a.host_prefix.clone(),
+            switch_to_host_ns: a.allow_switch_to_host_ns,
+            force_iptables_binary: a.force_iptables_binary.clone().filter(|f| !f.is_empty()),
+            allowed_peer_uids: a.allowed_peer_uids.clone(),
+            selectors,
+            exclude_namespaces: exclude.into_iter().collect(),
+        })
+    }
+}

@@ -1,0 +1,365 @@
+//! Adding a pod to the mesh and removing it: the ordered steps, their failure rules, and the state
+//! they leave behind. Fail closed: nothing reports success unless the pod's rules are in place and
+//! ztunnel acked it.
+//!
+//! Add: netns (CNI path: open `CNI_NETNS`; informer path: cached or discovered under /proc) →
+//! routes + rules in one transaction → ZDS Add, wait for the ack → host probe set → annotation
+//! `enabled`. A ztunnel failure leaves the annotation `pending` and is retryable; a netns or rule
+//! failure is not (the pod's sandbox must be retried or recreated).
+//!
+//! Remove: probe set entries (only those carrying this pod's UID) → rules out of the still-running
+//! pod (not for deleted pods: their netns is going away) → ZDS Del to every ztunnel → annotation
+//! removed.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use k8s_openapi::api::core::v1::Pod;
+
+use cni_core::reconcile::Redirection;
+use cni_core::redirect::InpodConfig;
+use cni_core::redirect::overrides::inpod_config;
+use cni_core::zds::WorkloadInfo;
+use dataplane::inpod::RuleState;
+use dataplane::netns::Netns;
+
+use super::cluster::Annotator;
+use crate::metrics::{BackendLabel, Metrics, observe};
+use crate::netns_cache::NetnsCache;
+use crate::procfs::{HostNetns, ProcScanner, WantedPod};
+use crate::zds::ZdsHandle;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Routes and rules inside a pod's namespace (the dataplane crate behind a seam, so the pipeline's
+/// ordering and failure rules are testable without root).
+pub trait PodRules: Send + Sync + 'static {
+    fn backend(&self) -> &'static str;
+    fn enroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError>;
+    fn unenroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError>;
+    fn verify(&self, netns: &Netns, cfg: &InpodConfig) -> Result<RuleState, BoxError>;
+}
+
+/// The host's set of enrolled pod IPs that kubelet probes are SNATed for.
+pub trait ProbeSet: Send + Sync + 'static {
+    /// Adds or replaces the entry for `ip`, tagged with the pod UID.
+    fn upsert(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError>;
+    /// Deletes the entry for `ip` only if it carries `uid` (another pod may own the IP now).
+    fn remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    #[error("pod {0} has no uid")]
+    NoUid(String),
+    #[error("cannot find the network namespace of pod {pod}: {why}")]
+    Netns { pod: String, why: String },
+    #[error("invalid redirection override on pod {pod}: {source}")]
+    Override {
+        pod: String,
+        #[source]
+        source: cni_core::redirect::overrides::OverrideError,
+    },
+    #[error("{backend} rules for pod {pod}: {source}")]
+    Rules {
+        pod: String,
+        backend: &'static str,
+        source: BoxError,
+    },
+    #[error("ztunnel did not accept pod {pod}: {source}")]
+    Ztunnel {
+        pod: String,
+        #[source]
+        source: crate::zds::ZdsError,
+    },
+    #[error("host probe set for pod {pod}: {source}")]
+    ProbeSet { pod: String, source: BoxError },
+    #[error("annotating pod {pod}: {source}")]
+    Annotate {
+        pod: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl MeshError {
+    /// Retrying the same step can succeed (ztunnel, API server, probe set); the others need a new
+    /// sandbox or a fixed pod spec.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            MeshError::Ztunnel { .. } | MeshError::ProbeSet { .. } | MeshError::Annotate { .. }
+        )
+    }
+}
+
+/// Everything the add and remove pipelines touch.
+pub struct Mesh {
+    pub cache: Arc<NetnsCache>,
+    pub zds: ZdsHandle,
+    pub rules: Arc<dyn PodRules>,
+    pub probes: Arc<dyn ProbeSet>,
+    pub annotator: Annotator,
+    /// Node-wide rule settings; pod annotations override them.
+    pub global: InpodConfig,
+    /// `/host/proc` (or `/proc`): where running pods' namespaces are discovered.
+    pub proc_dir: std::path::PathBuf,
+    pub metrics: Metrics,
+}
+
+fn name(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+pub fn workload_info(pod: &Pod) -> WorkloadInfo {
+    WorkloadInfo {
+        name: pod.metadata.name.clone().unwrap_or_default(),
+        namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+        service_account: pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.service_account_name.clone())
+            .unwrap_or_default(),
+    }
+}
+
+impl Mesh {
+    /// The rule configuration for this pod: node settings plus its annotations.
+    pub fn pod_config(&self, pod: &Pod) -> Result<InpodConfig, MeshError> {
+        let annotations = pod.metadata.annotations.clone().unwrap_or_default();
+        let (cfg, ignored) = inpod_config(
+            &self.global,
+            annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        )
+        .map_err(|source| MeshError::Override {
+            pod: name(pod),
+            source,
+        })?;
+        for i in ignored {
+            tracing::warn!(pod = %name(pod), annotation = i.annotation, value = %i.value, "ignoring non-boolean annotation");
+        }
+        Ok(cfg)
+    }
+
+    /// Enrolls a pod. `netns_path` is `CNI_NETNS` on the CNI path, `None` on the informer path.
+    pub async fn add(
+        &self,
+        pod: &Pod,
+        ips: &[IpAddr],
+        netns_path: Option<&str>,
+    ) -> Result<(), MeshError> {
+        let pod_name = name(pod);
+        let uid = pod
+            .metadata
+            .uid
+            .clone()
+            .ok_or_else(|| MeshError::NoUid(pod_name.clone()))?;
+        let workload = workload_info(pod);
+        let cfg = self.pod_config(pod)?;
+
+        let started = Instant::now();
+        let netns = match self.resolve_netns(&uid, &workload, ips, netns_path).await {
+            Ok(ns) => ns,
+            Err(why) => {
+                self.cache.take(&uid);
+                return Err(MeshError::Netns { pod: pod_name, why });
+            }
+        };
+        observe(&self.metrics.netns_resolve_seconds, started.elapsed());
+
+        let started = Instant::now();
+        let rules = self.rules.clone();
+        let (ns, c) = (netns.clone(), cfg.clone());
+        let applied = tokio::task::spawn_blocking(move || rules.enroll(&ns, &c))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string().into()));
+        if let Err(source) = applied {
+            self.cache.take(&uid);
+            return Err(MeshError::Rules {
+                pod: pod_name,
+                backend: self.rules.backend(),
+                source,
+            });
+        }
+        let backend = BackendLabel {
+            backend: self.rules.backend().to_string(),
+        };
+        observe(
+            &self.metrics.rule_apply_seconds.get_or_create(&backend),
+            started.elapsed(),
+        );
+
+        let started = Instant::now();
+        if let Err(source) = self.zds.pod_added(&uid, workload, &netns).await {
+            let (namespace, pod_only) = ns_name(pod);
+            self.annotator
+                .set(namespace, pod_only, Redirection::Pending)
+                .await
+                .map_err(|source| MeshError::Annotate {
+                    pod: pod_name.clone(),
+                    source,
+                })?;
+            return Err(MeshError::Ztunnel {
+                pod: pod_name,
+                source,
+            });
+        }
+        observe(&self.metrics.zds_ack_seconds, started.elapsed());
+
+        self.upsert_probe_ips(pod, &uid, ips)?;
+        let (namespace, pod_only) = ns_name(pod);
+        self.annotator
+            .set(namespace, pod_only, Redirection::Enabled)
+            .await
+            .map_err(|source| MeshError::Annotate {
+                pod: pod_name,
+                source,
+            })
+    }
+
+    /// Adds the pod's IPs to the host probe set.
+    pub fn upsert_probe_ips(&self, pod: &Pod, uid: &str, ips: &[IpAddr]) -> Result<(), MeshError> {
+        for ip in ips {
+            self.probes
+                .upsert(unmap(*ip), uid)
+                .map_err(|source| MeshError::ProbeSet {
+                    pod: name(pod),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    async fn resolve_netns(
+        &self,
+        uid: &str,
+        workload: &WorkloadInfo,
+        ips: &[IpAddr],
+        netns_path: Option<&str>,
+    ) -> Result<Arc<Netns>, String> {
+        if let Some(path) = netns_path {
+            let ns = self.cache.open_netns(path).map_err(|e| e.to_string())?;
+            return Ok(self.cache.upsert(uid, workload.clone(), ns));
+        }
+        if let Some(ns) = self.cache.get(uid).and_then(|e| e.netns) {
+            return Ok(ns);
+        }
+        self.cache.ensure_with(uid, workload.clone());
+        let wanted = HashMap::from([(
+            uid.to_string(),
+            WantedPod {
+                workload: workload.clone(),
+                ips: ips.to_vec(),
+            },
+        )]);
+        let mut found = self.discover(wanted).await?;
+        let hit = found.remove(uid).ok_or_else(|| {
+            "no process of the pod found under /proc (normal for a pod still being created)"
+                .to_string()
+        })?;
+        Ok(self.cache.upsert(uid, workload.clone(), hit))
+    }
+
+    /// Finds the namespaces of running pods under /proc (after an agent restart, or for pods that
+    /// were enrolled by a namespace label rather than by their CNI ADD).
+    pub async fn discover(
+        &self,
+        wanted: HashMap<String, WantedPod>,
+    ) -> Result<HashMap<String, Netns>, String> {
+        let proc_dir = self.proc_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            let scanner =
+                ProcScanner::new(&proc_dir).map_err(|e| format!("{}: {e}", proc_dir.display()))?;
+            let found = scanner
+                .find(&HostNetns, &wanted)
+                .map_err(|e| e.to_string())?;
+            Ok(found.into_iter().map(|(uid, f)| (uid, f.netns)).collect())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    /// Removes a pod from the mesh. `is_delete`: the pod object is gone (no rule removal, and
+    /// annotation errors are not reported).
+    pub async fn remove(
+        &self,
+        pod: &Pod,
+        ips: &[IpAddr],
+        is_delete: bool,
+    ) -> Result<(), MeshError> {
+        let pod_name = name(pod);
+        let uid = pod
+            .metadata
+            .uid
+            .clone()
+            .ok_or_else(|| MeshError::NoUid(pod_name.clone()))?;
+        for ip in ips {
+            self.probes
+                .remove(unmap(*ip), &uid)
+                .map_err(|source| MeshError::ProbeSet {
+                    pod: pod_name.clone(),
+                    source,
+                })?;
+        }
+        let entry = self.cache.take(&uid);
+        if !is_delete {
+            match entry.and_then(|e| e.netns) {
+                Some(netns) => {
+                    let cfg = self.pod_config(pod).unwrap_or_else(|_| self.global.clone());
+                    let rules = self.rules.clone();
+                    tokio::task::spawn_blocking(move || rules.unenroll(&netns, &cfg))
+                        .await
+                        .unwrap_or_else(|e| Err(e.to_string().into()))
+                        .map_err(|source| MeshError::Rules {
+                            pod: pod_name.clone(),
+                            backend: self.rules.backend(),
+                            source,
+                        })?;
+                }
+                None => {
+                    tracing::warn!(pod = %pod_name, "netns unknown: cannot remove in-pod rules")
+                }
+            }
+        }
+        self.zds
+            .pod_deleted(&uid)
+            .await
+            .map_err(|source| MeshError::Ztunnel {
+                pod: pod_name.clone(),
+                source,
+            })?;
+        let (namespace, pod_only) = ns_name(pod);
+        match self
+            .annotator
+            .set(namespace, pod_only, Redirection::Absent)
+            .await
+        {
+            Err(source) if !is_delete => Err(MeshError::Annotate {
+                pod: pod_name,
+                source,
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn ns_name(pod: &Pod) -> (&str, &str) {
+    (
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default(),
+    )
+}
+
+/// IPv4-mapped IPv6 addresses are treated as the IPv4 address everywhere.
+pub fn unmap(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    }
+}

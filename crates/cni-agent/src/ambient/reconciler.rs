@@ -1,0 +1,229 @@
+//! Applies Istio's reconcile rules (`cni_core::reconcile`) to cluster events, one event at a time
+//! (as Istio's single queue worker does), retrying failures with per-pod exponential backoff.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use tokio::sync::mpsc;
+
+use cni_core::enroll::CompiledSelectors;
+use cni_core::reconcile::{Action, Scope, on_delete, on_update};
+
+use super::cluster::{ClusterEvent, PodKey, SharedCache, facts, pod_key};
+use super::mesh::Mesh;
+use crate::metrics::{TypeLabel, observe};
+
+/// Which pods the node enrolls.
+pub struct Policy {
+    pub selectors: CompiledSelectors,
+    pub exclude_namespaces: BTreeSet<String>,
+    /// `SYSTEM_NAMESPACE`: ztunnel pods (`app=ztunnel` there) are never reconciled.
+    pub system_namespace: String,
+}
+
+impl Policy {
+    pub fn is_ztunnel(&self, pod: &Pod) -> bool {
+        pod.metadata.namespace.as_deref() == Some(self.system_namespace.as_str())
+            && pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("app"))
+                .map(String::as_str)
+                == Some("ztunnel")
+    }
+}
+
+pub struct Reconciler {
+    pub cache: SharedCache,
+    pub mesh: Arc<Mesh>,
+    pub policy: Arc<Policy>,
+}
+
+const BACKOFF_MIN: Duration = Duration::from_millis(5);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+impl Reconciler {
+    /// Consumes events until the channel closes. `tx` is the same channel's sender, used to
+    /// requeue failed events after their backoff.
+    pub async fn run(
+        self,
+        mut rx: mpsc::UnboundedReceiver<ClusterEvent>,
+        tx: mpsc::UnboundedSender<ClusterEvent>,
+    ) {
+        let mut synced = false;
+        let mut failures: HashMap<PodKey, u32> = HashMap::new();
+        while let Some(event) = rx.recv().await {
+            if !synced {
+                // Until both initial lists are in, a pod's namespace may be unknown; the Synced
+                // step below reconciles every cached pod instead.
+                if let ClusterEvent::Synced = event {
+                    synced = true;
+                    let pods: Vec<Arc<Pod>> =
+                        self.cache.read().unwrap().pods.values().cloned().collect();
+                    for pod in pods {
+                        let _ = tx.send(ClusterEvent::Pod {
+                            old: Some(pod.clone()),
+                            new: pod,
+                        });
+                    }
+                }
+                continue;
+            }
+            let key = match &event {
+                ClusterEvent::Pod { new, .. } => Some(pod_key(new)),
+                ClusterEvent::PodDeleted(pod) => Some(pod_key(pod)),
+                _ => None,
+            };
+            let started = Instant::now();
+            match self.handle(&event, &tx).await {
+                Ok(enrolled) => {
+                    if let Some(k) = key {
+                        failures.remove(&k);
+                    }
+                    if enrolled {
+                        observe(
+                            &self.mesh.metrics.event_to_enrolled_seconds,
+                            started.elapsed(),
+                        );
+                    }
+                }
+                Err(e) => {
+                    let Some(k) = key else { continue };
+                    let n = failures.entry(k).or_insert(0);
+                    *n += 1;
+                    let delay = BACKOFF_MIN
+                        .saturating_mul(1 << (*n).min(10))
+                        .min(BACKOFF_MAX);
+                    tracing::warn!(error = %e, attempt = *n, retry_in = ?delay, "reconcile failed");
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let _ = tx.send(event);
+                    });
+                }
+            }
+        }
+    }
+
+    fn count(&self, kind: &str) {
+        self.mesh
+            .metrics
+            .reconcile_events
+            .get_or_create(&TypeLabel {
+                r#type: kind.to_string(),
+            })
+            .inc();
+    }
+
+    /// Handles one event; `Ok(true)` when a pod was enrolled.
+    async fn handle(
+        &self,
+        event: &ClusterEvent,
+        tx: &mpsc::UnboundedSender<ClusterEvent>,
+    ) -> Result<bool, super::mesh::MeshError> {
+        match event {
+            ClusterEvent::Synced => Ok(false),
+            ClusterEvent::Namespace { name, old, new } => {
+                self.count(if old.is_some() { "update" } else { "add" });
+                let Some(old) = old else { return Ok(false) };
+                let s = &self.policy.selectors;
+                if s.matches_namespace(old) == s.matches_namespace(new) {
+                    return Ok(false);
+                }
+                let pods: Vec<Arc<Pod>> = self
+                    .cache
+                    .read()
+                    .unwrap()
+                    .pods
+                    .values()
+                    .filter(|p| {
+                        p.metadata.namespace.as_deref() == Some(name) && !self.policy.is_ztunnel(p)
+                    })
+                    .cloned()
+                    .collect();
+                for pod in pods {
+                    let _ = tx.send(ClusterEvent::Pod {
+                        old: Some(pod.clone()),
+                        new: pod,
+                    });
+                }
+                Ok(false)
+            }
+            ClusterEvent::PodDeleted(pod) => {
+                self.count("delete");
+                if self.policy.is_ztunnel(pod) {
+                    return Ok(false);
+                }
+                let f = facts(pod);
+                let ns = pod.metadata.namespace.clone().unwrap_or_default();
+                let labels = self
+                    .cache
+                    .read()
+                    .unwrap()
+                    .namespaces
+                    .get(&ns)
+                    .cloned()
+                    .unwrap_or_default();
+                let scope = self.scope(&ns, &labels);
+                if on_delete(&f, &scope) {
+                    self.mesh.remove(pod, &f.ips, true).await?;
+                }
+                Ok(false)
+            }
+            ClusterEvent::Pod { old, new } => {
+                self.count(if old.is_some() { "update" } else { "add" });
+                if self.policy.is_ztunnel(new) {
+                    return Ok(false);
+                }
+                // Always judge the newest object: a stale event must not undo what the CNI path did.
+                let key = pod_key(new);
+                let (current, labels) = {
+                    let c = self.cache.read().unwrap();
+                    let Some(current) = c.pods.get(&key).cloned() else {
+                        return Ok(false);
+                    };
+                    let Some(labels) = c.namespaces.get(&key.0).cloned() else {
+                        tracing::warn!(pod = ?key, "namespace not known yet; skipping");
+                        return Ok(false);
+                    };
+                    (current, labels)
+                };
+                let old = old.clone().unwrap_or_else(|| current.clone());
+                let (old_f, cur_f) = (facts(&old), facts(&current));
+                let scope = self.scope(&key.0, &labels);
+                let mut enrolled = false;
+                for action in on_update(&old_f, &cur_f, &scope) {
+                    match action {
+                        Action::RemoveTerminated => {
+                            self.mesh.remove(&old, &old_f.ips, true).await?
+                        }
+                        Action::SyncProbeIps => {
+                            let uid = current.metadata.uid.clone().unwrap_or_default();
+                            self.mesh.upsert_probe_ips(&current, &uid, &cur_f.ips)?;
+                        }
+                        Action::Remove => self.mesh.remove(&current, &cur_f.ips, false).await?,
+                        Action::Add => match self.mesh.add(&current, &cur_f.ips, None).await {
+                            Ok(()) => enrolled = true,
+                            Err(e) if !e.retryable() => {
+                                tracing::error!(pod = ?key, error = %e, "cannot enroll pod; not retrying");
+                            }
+                            Err(e) => return Err(e),
+                        },
+                    }
+                }
+                Ok(enrolled)
+            }
+        }
+    }
+
+    fn scope<'a>(&'a self, namespace: &str, labels: &'a cni_core::enroll::Labels) -> Scope<'a> {
+        Scope {
+            selectors: &self.policy.selectors,
+            namespace_labels: labels,
+            excluded: self.policy.exclude_namespaces.contains(namespace),
+        }
+    }
+}
