@@ -566,3 +566,103 @@ fn logs_are_forwarded_to_the_agent_log_socket() {
     assert!(out.stderr.contains("pod enrolled in the ambient mesh"));
     assert_eq!(out.stdout, PREV);
 }
+
+// ---- the API server over HTTPS ----------------------------------------------------------------
+
+/// A CA and a server certificate for 127.0.0.1 signed by it: (ca pem, server chain pem, key pem).
+fn mint_certs() -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+fn tls_api_server(chain: &str, key: &str) -> Server {
+    Server::tls(chain, key, |r: &Recorded| match r.path.as_str() {
+        "/api/v1/namespaces/default/pods/web-0" => (
+            200,
+            json!({"metadata": {"name": "web-0", "labels": {"app": "web"}}})
+                .to_string()
+                .into_bytes(),
+        ),
+        "/api/v1/namespaces/default" => (
+            200,
+            json!({"metadata": {"name": "default"}})
+                .to_string()
+                .into_bytes(),
+        ),
+        _ => (404, vec![]),
+    })
+}
+
+fn write_tls_kubeconfig(dir: &Path, port: u16, cluster: &str) {
+    let text = format!(
+        "apiVersion: v1\nclusters:\n- cluster:\n{cluster}    server: https://127.0.0.1:{port}\n  name: local\n\
+         contexts:\n- context:\n    cluster: local\n    user: istio-cni\n  name: istio-cni-context\n\
+         current-context: istio-cni-context\nkind: Config\nusers:\n- name: istio-cni\n  user:\n    token: sa-token\n"
+    );
+    std::fs::write(dir.join("istio-cni-kubeconfig"), text).unwrap();
+}
+
+fn ca_data(pem: &str) -> String {
+    use base64::Engine as _;
+    format!(
+        "    certificate-authority-data: {}\n",
+        base64::engine::general_purpose::STANDARD.encode(pem)
+    )
+}
+
+#[test]
+fn https_api_server_verified_with_the_kubeconfig_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, chain, key) = mint_certs();
+    let api = tls_api_server(&chain, &key);
+    write_tls_kubeconfig(dir.path(), api.port, &ca_data(&ca));
+    assert_eq!(
+        ok(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV)))),
+        PREV
+    );
+    let reqs = api.requests();
+    assert_eq!(reqs.len(), 2);
+    assert!(
+        reqs.iter()
+            .all(|r| r.header("Authorization") == Some("Bearer sa-token"))
+    );
+}
+
+#[test]
+fn https_api_server_with_a_foreign_ca_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, chain, key) = mint_certs();
+    let (other_ca, _, _) = mint_certs();
+    let api = tls_api_server(&chain, &key);
+    write_tls_kubeconfig(dir.path(), api.port, &ca_data(&other_ca));
+    let e = error_of(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV))));
+    let msg = e["msg"].as_str().unwrap();
+    assert!(
+        msg.contains("UnknownIssuer") || msg.contains("certificate"),
+        "{msg}"
+    );
+    assert!(
+        api.requests().is_empty(),
+        "no request may cross an unverified connection"
+    );
+}
+
+#[test]
+fn https_api_server_with_insecure_skip_tls_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, chain, key) = mint_certs();
+    let api = tls_api_server(&chain, &key);
+    write_tls_kubeconfig(dir.path(), api.port, "    insecure-skip-tls-verify: true\n");
+    ok(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV))));
+    assert_eq!(api.requests().len(), 2);
+}

@@ -32,6 +32,7 @@ pub type Handler = dyn Fn(&Recorded) -> (u16, Vec<u8>) + Send + Sync;
 enum Listener {
     Unix(UnixListener, PathBuf),
     Tcp(TcpListener),
+    Tls(TcpListener, Arc<rustls::ServerConfig>),
 }
 
 pub struct Server {
@@ -74,6 +75,40 @@ impl Server {
         s
     }
 
+    /// An API server on 127.0.0.1 speaking HTTPS with `cert_chain` (PEM) and `key` (PKCS#8 PEM).
+    pub fn tls(
+        cert_chain: &str,
+        key: &str,
+        handler: impl Fn(&Recorded) -> (u16, Vec<u8>) + Send + Sync + 'static,
+    ) -> Server {
+        use rustls::pki_types::pem::PemObject as _;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(cert_chain.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind tcp");
+        let port = l.local_addr().unwrap().port();
+        let mut s = Server::start(
+            Listener::Tls(l, Arc::new(config)),
+            Arc::new(handler),
+            Box::new(move || {
+                let _ = TcpStream::connect(("127.0.0.1", port));
+            }),
+        );
+        s.port = port;
+        s
+    }
+
     fn start(listener: Listener, handler: Arc<Handler>, wake: Box<dyn Fn() + Send>) -> Server {
         let requests = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
@@ -87,6 +122,13 @@ impl Server {
                     },
                     Listener::Tcp(l) => match l.accept() {
                         Ok((c, _)) => Box::new(c),
+                        Err(_) => continue,
+                    },
+                    Listener::Tls(l, config) => match l.accept() {
+                        Ok((c, _)) => {
+                            let conn = rustls::ServerConnection::new(config.clone()).unwrap();
+                            Box::new(rustls::StreamOwned::new(conn, c))
+                        }
                         Err(_) => continue,
                     },
                 };
@@ -178,6 +220,7 @@ fn serve(mut conn: Box<dyn ReadWrite>, log: &Mutex<Vec<Recorded>>, handler: &Han
     );
     let _ = conn.write_all(head.as_bytes());
     let _ = conn.write_all(&reply);
+    let _ = conn.flush();
 }
 
 pub struct Output {
