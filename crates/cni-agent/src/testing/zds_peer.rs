@@ -162,16 +162,18 @@ impl Inner {
         self.state().status.log.push(entry);
     }
 
+    /// Writes the status file, if any. In-process users read [`ZdsPeer::status`] instead, so
+    /// without a file nothing is serialised per message.
     fn publish(&self) {
+        let Some(path) = &self.cfg.status_file else {
+            return;
+        };
         let json = {
             let mut st = self.state();
             st.refresh();
-            match &self.cfg.status_file {
-                Some(_) => serde_json::to_vec_pretty(&st.status).ok(),
-                None => None,
-            }
+            serde_json::to_vec_pretty(&st.status)
         };
-        if let (Some(path), Some(json)) = (&self.cfg.status_file, json) {
+        if let Ok(json) = json {
             let _ = write_atomically(path, &json);
         }
     }
