@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cni_agent::netns_cache::NetnsCache;
-use cni_agent::testing::zds_peer::{AddReply, PeerConfig, PeerStatus, WorkloadState, ZdsPeer};
+use cni_agent::testing::zds_peer::{
+    AddReply, PeerConfig, PeerStatus, PodProxies, WorkloadState, ZdsPeer,
+};
 use cni_agent::zds::packet;
 use cni_agent::zds::{ZdsConfig, ZdsError, ZdsHandle, ZdsServer};
 use cni_core::zds::{
@@ -207,6 +209,42 @@ async fn real_netns_fd_is_the_pod_netns() {
     assert_eq!(
         agent.cache.get("pod-uid").unwrap().netns.unwrap().id(),
         other.open().id()
+    );
+    agent.shutdown().await;
+}
+
+#[tokio::test]
+async fn peer_starts_in_pod_listeners_and_drains_them_on_del() {
+    dataplane::require_root!();
+    let pod = TestNetns::new("zds-proxy");
+    let agent = Agent::start();
+    let mut cfg = PeerConfig::new(&agent.path);
+    cfg.proxies = Some(Arc::new(PodProxies));
+    let peer = ZdsPeer::start(cfg);
+    agent.wait_synced(1).await;
+    let ns = pod.open();
+    agent.add("proxied", &ns).await.unwrap();
+    let listening = pod.exec("ss", &["-ltn"]);
+    for port in [":15001", ":15006", ":15008", ":15053"] {
+        assert!(
+            listening.contains(port),
+            "{port} listening after the ack: {listening}"
+        );
+    }
+    ns.run(|| std::net::TcpStream::connect("127.0.0.1:15008").map(drop))
+        .unwrap()
+        .unwrap();
+    peer.wait_for("connection counted", WAIT, |s| {
+        s.workloads["proxied"].connections >= 1
+    })
+    .await
+    .unwrap();
+    agent.cache.take("proxied");
+    agent.zds.pod_deleted("proxied").await.unwrap();
+    let listening = pod.exec("ss", &["-ltn"]);
+    assert!(
+        !listening.contains(":15001"),
+        "listeners closed after del: {listening}"
     );
     agent.shutdown().await;
 }

@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use cni_agent::testing::zds_peer::{AddReply, PeerConfig, ZdsPeer};
+use std::sync::Arc;
+
+use cni_agent::testing::zds_peer::{AddReply, PeerConfig, PodProxies, ZdsPeer};
 
 #[derive(Parser)]
 #[command(about = "ztunnel-like ZDS client for tests")]
@@ -22,6 +24,9 @@ struct Args {
     /// Nack Adds for a UID with this text: `--nack UID=TEXT` (repeatable; `*` for every UID).
     #[arg(long, value_parser = parse_nack)]
     nack: Vec<(String, String)>,
+    /// Do not start the in-pod listeners (15001/15006/15008/15053) for Adds.
+    #[arg(long)]
+    no_proxies: bool,
     /// Cap of the reconnect backoff, in milliseconds.
     #[arg(long, default_value_t = 15_000)]
     max_backoff_ms: u64,
@@ -41,6 +46,9 @@ async fn main() {
     let mut cfg = PeerConfig::new(&args.socket);
     cfg.status_file = args.status_file;
     cfg.max_backoff = Duration::from_millis(args.max_backoff_ms);
+    if !args.no_proxies {
+        cfg.proxies = Some(Arc::new(PodProxies));
+    }
     let peer = ZdsPeer::start(cfg);
     for (uid, text) in args.nack {
         let uid = (uid != "*").then_some(uid);

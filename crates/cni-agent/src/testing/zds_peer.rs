@@ -23,6 +23,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_seqpacket::UnixSeqpacket;
 
+use crate::testing::pod_proxy::PodProxy;
 use crate::zds::packet;
 
 /// Starts the in-pod listeners for a workload (the pod proxy, when it is wired in).
@@ -35,6 +36,22 @@ pub trait RunningProxy: Send {
     /// Connections accepted so far, for per-pod assertions.
     fn connections(&self) -> u64 {
         0
+    }
+}
+
+/// Starts [`PodProxy`] (ztunnel's in-pod listeners) for every Add, like a real ztunnel.
+pub struct PodProxies;
+
+impl ProxyFactory for PodProxies {
+    fn start(&self, _uid: &str, netns: &Netns) -> Result<Box<dyn RunningProxy>, String> {
+        let proxy = PodProxy::start(netns).map_err(|e| e.to_string())?;
+        Ok(Box::new(proxy))
+    }
+}
+
+impl RunningProxy for PodProxy {
+    fn connections(&self) -> u64 {
+        self.counts().values().sum::<usize>() as u64
     }
 }
 
@@ -283,6 +300,7 @@ async fn connect(inner: &Inner) -> UnixSeqpacket {
 }
 
 async fn run(inner: Arc<Inner>) -> Result<(), String> {
+    inner.publish();
     loop {
         let sock = connect(&inner).await;
         {
