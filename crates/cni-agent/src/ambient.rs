@@ -5,5 +5,8 @@
 pub mod cluster;
 pub mod cni_server;
 pub mod config;
+pub mod hints;
 pub mod mesh;
+pub mod node;
 pub mod reconciler;
+pub mod upgrade;

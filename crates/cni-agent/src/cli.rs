@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::ambient::config::{AmbientArgs, AmbientConfig};
 use crate::config::{self, InstallArgs, InstallConfig, LogArgs, ProcessEnv};
 use crate::install::Installer;
 
@@ -18,6 +19,8 @@ pub struct Cli {
     pub install: InstallArgs,
     #[command(flatten)]
     pub log: LogArgs,
+    #[command(flatten)]
+    pub ambient: AmbientArgs,
 }
 
 /// Without a subcommand the agent runs until SIGTERM/SIGINT, then cleans up.
@@ -84,6 +87,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         return Ok(());
     }
     let cfg = InstallConfig::from_args(&cli.install, &cli.log)?;
+    if cli.command.is_none() {
+        return run_agent(cli, cfg).await;
+    }
     tracing::info!(?cfg, "installer configuration");
     let mut installer = Installer::new(cfg);
     match cli.command {
@@ -106,6 +112,42 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The DaemonSet's process: installer, health and metrics, and the ambient agent when enabled.
+async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
+    let a = &cli.ambient;
+    let ports = crate::agent::Ports {
+        health: std::net::SocketAddr::from(([0, 0, 0, 0], a.health_port)),
+        metrics: u16::try_from(a.monitoring_port)
+            .ok()
+            .filter(|p| *p > 0)
+            .map(|p| std::net::SocketAddr::from(([0, 0, 0, 0], p))),
+    };
+    let ambient = if cli.install.ambient_enabled {
+        // Istio's Helm chart always sets the selectors; an unset variable means Istio's default
+        // rather than "nothing is ambient", and the plugin config says the same.
+        let mut selectors: Vec<cni_core::enroll::EnablementSelector> =
+            serde_json::from_value(cfg.entry.enablement_selectors.clone())?;
+        if selectors.is_empty() {
+            selectors = cni_core::enroll::default_selectors();
+            cfg.entry.enablement_selectors = serde_json::to_value(&selectors)?;
+        }
+        let exclude = cfg.entry.exclude_namespaces.clone().unwrap_or_default();
+        let ambient = AmbientConfig::from_args(a, &selectors, exclude)?;
+        let client = kube::Client::try_default().await?;
+        Some(crate::agent::AmbientSetup {
+            cfg: ambient,
+            client,
+            native_nftables: cli.install.native_nftables,
+            pod_namespace: cli.install.pod_namespace.clone(),
+            owned_config: matches!(cfg.mode, config::ConfMode::Owned { .. }),
+        })
+    } else {
+        None
+    };
+    tracing::info!(?cfg, ambient = ambient.is_some(), "agent configuration");
+    crate::agent::run(cfg, ports, ambient, shutdown_signal()).await
 }
 
 /// Process entry point: parse, set up logging, run on a tokio runtime.

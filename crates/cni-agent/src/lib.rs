@@ -1,5 +1,6 @@
 //! The `install-cni` node agent: installer, ambient enrollment, ZDS server, repair and HTTP.
 
+pub mod agent;
 pub mod ambient;
 pub mod cli;
 pub mod config;

@@ -115,6 +115,16 @@ impl ProcScanner {
         )
     }
 
+    /// Scanner with the host namespace given by the caller (an agent configured with an explicit
+    /// host netns, or where `<proc>/1` is not readable).
+    pub fn with_host(proc_dir: impl Into<PathBuf>, host: NetnsId) -> Self {
+        ProcScanner {
+            proc_dir: proc_dir.into(),
+            host,
+            read_cgroup: Box::new(|pid_dir| fs::read_to_string(pid_dir.join("cgroup"))),
+        }
+    }
+
     pub fn with_cgroup_reader(
         proc_dir: impl Into<PathBuf>,
         read_cgroup: CgroupReader,

@@ -3,5 +3,6 @@
 
 pub mod cni_runtime;
 pub mod kube;
+pub mod node;
 pub mod pod_proxy;
 pub mod zds_peer;

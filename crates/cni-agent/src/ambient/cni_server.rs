@@ -105,12 +105,15 @@ impl CniServer {
     }
 }
 
-fn parse(body: &[u8]) -> Result<CmdAddRequest, Response> {
+fn parse(body: &[u8]) -> Result<CmdAddRequest, String> {
     if body.is_empty() {
-        return Err((StatusCode::BAD_REQUEST, "empty request body\n").into_response());
+        return Err("empty request body".into());
     }
-    CmdAddRequest::from_json(body)
-        .map_err(|e| (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response())
+    CmdAddRequest::from_json(body).map_err(|e| e.to_string())
+}
+
+fn bad_request(msg: String) -> Response {
+    (StatusCode::BAD_REQUEST, format!("{msg}\n")).into_response()
 }
 
 fn internal(msg: String) -> Response {
@@ -121,7 +124,7 @@ fn internal(msg: String) -> Response {
 async fn istio_cmdadd(State(s): State<Arc<CniServer>>, body: Bytes) -> Response {
     let started = Instant::now();
     let resp = match parse(&body) {
-        Err(r) => r,
+        Err(e) => bad_request(e),
         Ok(req) => match s.lookup(&req.pod_namespace, &req.pod_name).await {
             Err(e) => internal(e),
             Ok((_, why)) if !why.is_selected() => internal(format!(
@@ -142,10 +145,15 @@ async fn istio_cmdadd(State(s): State<Arc<CniServer>>, body: Bytes) -> Response 
 async fn v1_cmdadd(State(s): State<Arc<CniServer>>, body: Bytes) -> Response {
     let started = Instant::now();
     let resp = match parse(&body) {
-        Err(r) => r,
+        Err(e) => bad_request(e),
         Ok(req) => match s.lookup(&req.pod_namespace, &req.pod_name).await {
             Err(e) => internal(e),
             Ok((pod, why)) => {
+                // Remembered for every pod, so a later namespace label enrolls it without a
+                // /proc scan (see `hints`).
+                if let Some(uid) = &pod.metadata.uid {
+                    s.mesh.hints.record(uid, &req.netns);
+                }
                 let decision = match why {
                     Eligibility::Selected => match s.enroll(&pod, &req).await {
                         Ok(()) => Ok(CmdAddResponse::Enrolled),

@@ -83,6 +83,10 @@ pub struct AmbientArgs {
           num_args = 0..=1, require_equals = true, default_missing_value = "true",
           value_parser = go_bool, global = true)]
     pub allow_switch_to_host_ns: bool,
+    /// Path of the network namespace host-side rules go to, when it is neither this process's nor
+    /// `<HOST_PREFIX>/proc/1/ns/net` (a node simulated in a netns; exotic deployments).
+    #[arg(long, env = "HOST_NETNS", global = true)]
+    pub host_netns: Option<PathBuf>,
     /// `legacy` or `nft`: force the iptables variant instead of detecting it.
     #[arg(long, env = "FORCE_IPTABLES_BINARY", global = true)]
     pub force_iptables_binary: Option<String>,
@@ -111,6 +115,7 @@ pub struct AmbientConfig {
     pub host_prefix: PathBuf,
     pub proc_dir: PathBuf,
     pub switch_to_host_ns: bool,
+    pub host_netns: Option<PathBuf>,
     pub force_iptables_binary: Option<String>,
     pub allowed_peer_uids: Vec<u32>,
     pub selectors: CompiledSelectors,
@@ -171,6 +176,7 @@ impl AmbientConfig {
             proc_dir: a.host_prefix.join("proc"),
             host_prefix: a.host_prefix.clone(),
             switch_to_host_ns: a.allow_switch_to_host_ns,
+            host_netns: a.host_netns.clone().filter(|p| !p.as_os_str().is_empty()),
             force_iptables_binary: a.force_iptables_binary.clone().filter(|f| !f.is_empty()),
             allowed_peer_uids: a.allowed_peer_uids.clone(),
             selectors,

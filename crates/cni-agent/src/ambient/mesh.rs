@@ -11,7 +11,7 @@
 //! pod (not for deleted pods: their netns is going away) → ZDS Del to every ztunnel → annotation
 //! removed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -48,6 +48,8 @@ pub trait ProbeSet: Send + Sync + 'static {
     fn upsert(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError>;
     /// Deletes the entry for `ip` only if it carries `uid` (another pod may own the IP now).
     fn remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError>;
+    /// Deletes every entry whose IP is not in `keep`.
+    fn prune(&self, keep: &HashSet<IpAddr>) -> Result<(), BoxError>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +108,11 @@ pub struct Mesh {
     pub global: InpodConfig,
     /// `/host/proc` (or `/proc`): where running pods' namespaces are discovered.
     pub proc_dir: std::path::PathBuf,
+    /// Where the host's filesystem is mounted (`CNI_NETNS` paths resolve beneath it).
+    pub host_prefix: std::path::PathBuf,
+    /// The host's namespace: never a pod's, whatever /proc says.
+    pub host_netns: dataplane::netns::NetnsId,
+    pub hints: super::hints::NetnsHints,
     pub metrics: Metrics,
 }
 
@@ -195,7 +202,6 @@ impl Mesh {
             started.elapsed(),
         );
 
-        let started = Instant::now();
         if let Err(source) = self.zds.pod_added(&uid, workload, &netns).await {
             let (namespace, pod_only) = ns_name(pod);
             self.annotator
@@ -210,8 +216,6 @@ impl Mesh {
                 source,
             });
         }
-        observe(&self.metrics.zds_ack_seconds, started.elapsed());
-
         self.upsert_probe_ips(pod, &uid, ips)?;
         let (namespace, pod_only) = ns_name(pod);
         self.annotator
@@ -245,10 +249,14 @@ impl Mesh {
     ) -> Result<Arc<Netns>, String> {
         if let Some(path) = netns_path {
             let ns = self.cache.open_netns(path).map_err(|e| e.to_string())?;
+            self.hints.record(uid, path);
             return Ok(self.cache.upsert(uid, workload.clone(), ns));
         }
         if let Some(ns) = self.cache.get(uid).and_then(|e| e.netns) {
             return Ok(ns);
+        }
+        if let Some(ns) = self.hints.open_verified(uid, ips, &self.host_prefix) {
+            return Ok(self.cache.upsert(uid, workload.clone(), ns));
         }
         self.cache.ensure_with(uid, workload.clone());
         let wanted = HashMap::from([(
@@ -272,10 +280,9 @@ impl Mesh {
         &self,
         wanted: HashMap<String, WantedPod>,
     ) -> Result<HashMap<String, Netns>, String> {
-        let proc_dir = self.proc_dir.clone();
+        let (proc_dir, host) = (self.proc_dir.clone(), self.host_netns);
         tokio::task::spawn_blocking(move || {
-            let scanner =
-                ProcScanner::new(&proc_dir).map_err(|e| format!("{}: {e}", proc_dir.display()))?;
+            let scanner = ProcScanner::with_host(&proc_dir, host);
             let found = scanner
                 .find(&HostNetns, &wanted)
                 .map_err(|e| e.to_string())?;
@@ -308,7 +315,9 @@ impl Mesh {
                 })?;
         }
         let entry = self.cache.take(&uid);
-        if !is_delete {
+        if is_delete {
+            self.hints.forget(&uid);
+        } else {
             match entry.and_then(|e| e.netns) {
                 Some(netns) => {
                     let cfg = self.pod_config(pod).unwrap_or_else(|_| self.global.clone());
@@ -345,6 +354,104 @@ impl Mesh {
                 source,
             }),
             _ => Ok(()),
+        }
+    }
+}
+
+impl Mesh {
+    /// Rebuilds the agent's state for pods enrolled before it started (agent restart, upgrade):
+    /// their IPs go back into the probe set (stale entries pruned only when every pod's IPs are
+    /// known), their namespaces are found under /proc, and with `reconcile` their rules are
+    /// verified and repaired where they drifted. Pods whose namespace is not found stay in the
+    /// cache without one, so ztunnel is told to keep them rather than drop them.
+    pub async fn restore(&self, pods: &[Arc<Pod>], reconcile: bool) {
+        let mut keep = HashSet::new();
+        let mut complete = true;
+        let mut wanted = HashMap::new();
+        for pod in pods {
+            let Some(uid) = pod.metadata.uid.clone() else {
+                continue;
+            };
+            let f = super::cluster::facts(pod);
+            complete &= !f.ips.is_empty();
+            for ip in &f.ips {
+                let ip = unmap(*ip);
+                keep.insert(ip);
+                if let Err(e) = self.probes.upsert(ip, &uid) {
+                    tracing::warn!(pod = %name(pod), %ip, error = %e, "cannot restore probe set entry");
+                }
+            }
+            let workload = workload_info(pod);
+            self.cache.ensure_with(&uid, workload.clone());
+            wanted.insert(
+                uid,
+                (
+                    pod.clone(),
+                    WantedPod {
+                        workload,
+                        ips: f.ips,
+                    },
+                ),
+            );
+        }
+        if complete {
+            if let Err(e) = self.probes.prune(&keep) {
+                tracing::warn!(error = %e, "cannot prune the probe set");
+            }
+        } else {
+            tracing::info!("some enrolled pods have no IPs yet; not pruning the probe set");
+        }
+        let started = Instant::now();
+        let mut found = HashMap::new();
+        for (uid, (_, w)) in &wanted {
+            if let Some(ns) = self.hints.open_verified(uid, &w.ips, &self.host_prefix) {
+                found.insert(uid.clone(), ns);
+            }
+        }
+        let lookup: HashMap<String, WantedPod> = wanted
+            .iter()
+            .filter(|(uid, _)| !found.contains_key(*uid))
+            .map(|(uid, (_, w))| (uid.clone(), w.clone()))
+            .collect();
+        if !lookup.is_empty() {
+            match self.discover(lookup).await {
+                Ok(more) => found.extend(more),
+                Err(e) => {
+                    tracing::error!(error = %e, "netns discovery under /proc failed; those pods are kept, not re-handed")
+                }
+            }
+        }
+        observe(&self.metrics.netns_resolve_seconds, started.elapsed());
+        tracing::info!(
+            enrolled = wanted.len(),
+            found = found.len(),
+            "restored enrolled pods"
+        );
+        for (uid, netns) in found {
+            let Some((pod, w)) = wanted.get(&uid) else {
+                continue;
+            };
+            let netns = self.cache.upsert(&uid, w.workload.clone(), netns);
+            if !reconcile {
+                continue;
+            }
+            let Ok(cfg) = self.pod_config(pod) else {
+                continue;
+            };
+            let rules = self.rules.clone();
+            let result = tokio::task::spawn_blocking(move || match rules.verify(&netns, &cfg)? {
+                RuleState::InSync => Ok(None),
+                state => rules.enroll(&netns, &cfg).map(|()| Some(state)),
+            })
+            .await
+            .unwrap_or_else(|e| Err(e.to_string().into()));
+            match result {
+                Ok(None) => {}
+                Ok(Some(was)) => tracing::warn!(pod = %name(pod), ?was, "repaired in-pod rules"),
+                Err(e) => {
+                    tracing::error!(pod = %name(pod), error = %e, "cannot repair in-pod rules; try restarting the pod")
+                }
+            }
         }
     }
 }

@@ -40,6 +40,8 @@ pub struct Reconciler {
     pub cache: SharedCache,
     pub mesh: Arc<Mesh>,
     pub policy: Arc<Policy>,
+    /// Verify and repair the rules of pods enrolled before this agent started.
+    pub reconcile_on_startup: bool,
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(5);
@@ -48,11 +50,17 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 impl Reconciler {
     /// Consumes events until the channel closes. `tx` is the same channel's sender, used to
     /// requeue failed events after their backoff.
+    /// Consumes events until the channel closes. `tx` is the same channel's sender, used to
+    /// requeue failed events after their backoff. Once the watches have synced, the pods enrolled
+    /// before this agent started are restored and `restored` fires (the ZDS server waits for it,
+    /// so the first ztunnel gets a complete snapshot).
     pub async fn run(
         self,
         mut rx: mpsc::UnboundedReceiver<ClusterEvent>,
         tx: mpsc::UnboundedSender<ClusterEvent>,
+        restored: tokio::sync::oneshot::Sender<()>,
     ) {
+        let mut restored = Some(restored);
         let mut synced = false;
         let mut failures: HashMap<PodKey, u32> = HashMap::new();
         while let Some(event) = rx.recv().await {
@@ -63,6 +71,22 @@ impl Reconciler {
                     synced = true;
                     let pods: Vec<Arc<Pod>> =
                         self.cache.read().unwrap().pods.values().cloned().collect();
+                    let enrolled: Vec<Arc<Pod>> = pods
+                        .iter()
+                        .filter(|p| {
+                            let f = facts(p);
+                            !self.policy.is_ztunnel(p)
+                                && !f.terminal
+                                && f.redirection() == cni_core::reconcile::Redirection::Enabled
+                        })
+                        .cloned()
+                        .collect();
+                    self.mesh
+                        .restore(&enrolled, self.reconcile_on_startup)
+                        .await;
+                    if let Some(r) = restored.take() {
+                        let _ = r.send(());
+                    }
                     for pod in pods {
                         let _ = tx.send(ClusterEvent::Pod {
                             old: Some(pod.clone()),
@@ -154,6 +178,9 @@ impl Reconciler {
             }
             ClusterEvent::PodDeleted(pod) => {
                 self.count("delete");
+                if let Some(uid) = &pod.metadata.uid {
+                    self.mesh.hints.forget(uid);
+                }
                 if self.policy.is_ztunnel(pod) {
                     return Ok(false);
                 }

@@ -205,6 +205,34 @@ impl KubeTestEnv {
         cfg
     }
 
+    /// A kubeconfig file (JSON, which is YAML) for `token`, for processes under test.
+    pub fn write_kubeconfig(&self, path: &Path, token: &str) {
+        use base64::Engine;
+        let ca = base64::engine::general_purpose::STANDARD.encode(self.ca_pem());
+        let cfg = serde_json::json!({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "test", "cluster": {"server": self.server, "certificate-authority-data": ca}}],
+            "users": [{"name": "test", "user": {"token": token}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+            "current-context": "test"
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    }
+
+    /// The static admin token (group `system:masters`).
+    pub fn admin_token(&self) -> &'static str {
+        ADMIN_TOKEN
+    }
+
+    /// The API server's port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.server
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("server port")
+    }
+
     /// A client with cluster-admin rights (group `system:masters`).
     pub fn client(&self) -> kube::Client {
         kube::Client::try_from(self.config(ADMIN_TOKEN)).expect("admin client")

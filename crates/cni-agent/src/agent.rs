@@ -1,0 +1,312 @@
+//! The long-running `install-cni` process: the installer always, and in ambient mode the node
+//! agent (watches, reconcile loop, plugin socket, ZDS server), plus health and metrics.
+//!
+//! Startup order matters for failing closed: host rules and the probe set first; the ZDS socket is
+//! bound early (a ztunnel that connects waits in the backlog) but served only after the pods
+//! enrolled before this start are restored, so the first ztunnel gets a complete snapshot.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use anyhow::Context;
+use prometheus_client::registry::Registry;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::ambient::cluster::{Annotator, ClusterCache, spawn_watches};
+use crate::ambient::cni_server::{CniServer, PeerCheckedListener};
+use crate::ambient::config::AmbientConfig;
+use crate::ambient::mesh::Mesh;
+use crate::ambient::node::{NodeDataplane, seams};
+use crate::ambient::reconciler::{Policy, Reconciler};
+use crate::config::InstallConfig;
+use crate::http::{Readiness, health_router, metrics_router};
+use crate::install::Installer;
+use crate::metrics::{Metrics, ResultLabel};
+use crate::netns_cache::NetnsCache;
+use crate::zds::{ZdsConfig, ZdsMetrics, ZdsServer};
+
+/// Where health and metrics are served.
+#[derive(Clone, Copy, Debug)]
+pub struct Ports {
+    pub health: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+}
+
+/// Everything ambient mode needs besides the installer.
+pub struct AmbientSetup {
+    pub cfg: AmbientConfig,
+    pub client: kube::Client,
+    pub native_nftables: bool,
+    /// Namespace of our DaemonSet (safe-upgrade check).
+    pub pod_namespace: String,
+    /// Istio-owned CNI config mode: on an unclear shutdown, keep things in place.
+    pub owned_config: bool,
+}
+
+const HOST_SETUP_ATTEMPTS: u32 = 10;
+const HOST_SETUP_RETRY: Duration = Duration::from_secs(2);
+
+async fn serve_http(
+    addr: SocketAddr,
+    router: axum::Router,
+    what: &'static str,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("{what} on {addr}"))?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::error!(error = %e, "{what} server stopped");
+        }
+    });
+    Ok(())
+}
+
+/// Runs until `shutdown` completes, then cleans up as an upgrade or an uninstall requires.
+pub async fn run(
+    install: InstallConfig,
+    ports: Ports,
+    ambient: Option<AmbientSetup>,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let readiness = Readiness::new();
+    let install_flag = readiness.condition("installer");
+
+    let run_dir = install.run_dir.clone();
+    let mut installer = Installer::new(install);
+    let mut install_ready = installer.readiness();
+    {
+        let (flag, metrics) = (install_flag.clone(), metrics.clone());
+        tokio::spawn(async move {
+            loop {
+                let ready = *install_ready.borrow_and_update();
+                flag.set(ready);
+                metrics.install_ready.set(i64::from(ready));
+                if ready {
+                    metrics
+                        .installs
+                        .get_or_create(&ResultLabel {
+                            result: "SUCCESS".into(),
+                        })
+                        .inc();
+                }
+                if install_ready.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let node = match ambient {
+        Some(setup) => Some(
+            start_ambient(
+                setup,
+                &run_dir,
+                &metrics,
+                &readiness,
+                stopped(stop_rx.clone()),
+            )
+            .await?,
+        ),
+        None => None,
+    };
+
+    serve_http(ports.health, health_router(readiness.clone()), "health").await?;
+    if let Some(addr) = ports.metrics {
+        serve_http(addr, metrics_router(Arc::new(registry)), "metrics").await?;
+    }
+
+    let result = tokio::select! {
+        r = installer.run() => r.map_err(anyhow::Error::from),
+        () = shutdown => Ok(()),
+    };
+    install_flag.set(false);
+
+    let full_cleanup = match &node {
+        None => true,
+        Some(n) => !n.keep_for_upgrade().await,
+    };
+    let _ = stop_tx.send(true);
+    let _ = std::fs::remove_file(run_dir.join(cni_core::cmdadd::EVENT_SOCKET));
+    if full_cleanup {
+        tracing::info!("uninstalling: removing the plugin, its config and host rules");
+        if let Err(e) = installer.cleanup() {
+            tracing::error!(error = %e, "installer cleanup failed");
+        }
+        if let Some(n) = &node {
+            let dp = n.dataplane.clone();
+            if let Err(e) = tokio::task::spawn_blocking(move || dp.teardown_host()).await? {
+                tracing::error!(error = %e, "host cleanup failed");
+            }
+        }
+    } else {
+        tracing::info!(
+            "upgrade or reboot: leaving the plugin and host rules in place (new ambient pods wait for the new agent)"
+        );
+    }
+    // Let the ZDS server close its connections and unlink its socket.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    result
+}
+
+/// The running ambient parts the shutdown path needs.
+struct AmbientNode {
+    dataplane: Arc<NodeDataplane>,
+    client: kube::Client,
+    pod_namespace: String,
+    node_name: String,
+    owned_config: bool,
+    disable_safe_upgrade: bool,
+}
+
+impl AmbientNode {
+    async fn keep_for_upgrade(&self) -> bool {
+        !self.disable_safe_upgrade
+            && crate::ambient::upgrade::is_upgrade(
+                &self.client,
+                &self.pod_namespace,
+                &self.node_name,
+                self.owned_config,
+            )
+            .await
+    }
+}
+
+async fn start_ambient(
+    setup: AmbientSetup,
+    run_dir: &std::path::Path,
+    metrics: &Metrics,
+    readiness: &Arc<Readiness>,
+    stopped: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<AmbientNode> {
+    let cfg = setup.cfg;
+    let host = if let Some(path) = &cfg.host_netns {
+        dataplane::netns::Netns::open(path)?
+    } else if cfg.switch_to_host_ns {
+        dataplane::netns::Netns::open(cfg.host_prefix.join("proc/1/ns/net"))?
+    } else {
+        dataplane::netns::Netns::current()?
+    };
+    let host_id = host.id();
+    let (nft, force, inpod, proc_dir) = (
+        setup.native_nftables,
+        cfg.force_iptables_binary.clone(),
+        cfg.inpod.clone(),
+        cfg.proc_dir.clone(),
+    );
+    let dataplane = tokio::task::spawn_blocking(move || {
+        NodeDataplane::new(nft, force.as_deref(), host, inpod, &proc_dir)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+    })
+    .await??;
+    let dataplane = Arc::new(dataplane);
+    for attempt in 1..=HOST_SETUP_ATTEMPTS {
+        let dp = dataplane.clone();
+        match tokio::task::spawn_blocking(move || dp.setup_host()).await? {
+            Ok(()) => break,
+            Err(e) if attempt == HOST_SETUP_ATTEMPTS => anyhow::bail!("host probe rules: {e}"),
+            Err(e) => {
+                tracing::warn!(error = %e, attempt, "host probe rules failed; retrying");
+                tokio::time::sleep(HOST_SETUP_RETRY).await;
+            }
+        }
+    }
+
+    let cache = Arc::new(NetnsCache::new(cfg.host_prefix.clone()));
+    let zds_cfg = ZdsConfig {
+        socket_path: cfg.zds_socket.clone(),
+        allowed_uids: cfg.allowed_peer_uids.clone(),
+        ..ZdsConfig::default()
+    };
+    let zds_metrics = ZdsMetrics {
+        ztunnel_connected: metrics.ztunnel_connected.clone(),
+        ack_latency: metrics.zds_ack_seconds.clone(),
+    };
+    let (zds_server, zds) = ZdsServer::bind_with_metrics(zds_cfg, cache.clone(), zds_metrics)?;
+
+    let annotator = Annotator::new(setup.client.clone());
+    let (rules, probes) = seams(dataplane.clone());
+    let mesh = Arc::new(Mesh {
+        cache,
+        zds: zds.clone(),
+        rules,
+        probes,
+        annotator: annotator.clone(),
+        global: cfg.inpod.clone(),
+        proc_dir: cfg.proc_dir.clone(),
+        host_prefix: cfg.host_prefix.clone(),
+        host_netns: host_id,
+        hints: crate::ambient::hints::NetnsHints::new(run_dir),
+        metrics: metrics.clone(),
+    });
+    let policy = Arc::new(Policy {
+        selectors: cfg.selectors.clone(),
+        exclude_namespaces: cfg.exclude_namespaces.clone(),
+        system_namespace: cfg.system_namespace.clone(),
+    });
+    let cluster = Arc::new(RwLock::new(ClusterCache::default()));
+
+    let (tx, rx) = mpsc::unbounded_channel();
+    spawn_watches(
+        setup.client.clone(),
+        &cfg.node_name,
+        cluster.clone(),
+        tx.clone(),
+        readiness.condition("watches"),
+    );
+    let (restored_tx, restored_rx) = oneshot::channel();
+    let reconciler = Reconciler {
+        cache: cluster.clone(),
+        mesh: mesh.clone(),
+        policy: policy.clone(),
+        reconcile_on_startup: cfg.reconcile_on_startup,
+    };
+    tokio::spawn(reconciler.run(rx, tx, restored_tx));
+
+    let listener = PeerCheckedListener::bind(
+        &run_dir.join(cni_core::cmdadd::EVENT_SOCKET),
+        cfg.allowed_peer_uids.clone(),
+    )
+    .with_context(|| format!("plugin event socket in {}", run_dir.display()))?;
+    let server = Arc::new(CniServer {
+        cache: cluster,
+        mesh,
+        policy,
+        annotator,
+    });
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, crate::ambient::cni_server::router(server)).await {
+            tracing::error!(error = %e, "plugin event server stopped");
+        }
+    });
+
+    let zds_flag = readiness.condition("zds");
+    tokio::spawn(async move {
+        if restored_rx.await.is_ok() {
+            tracing::info!("CNI ambient server marking ready");
+            tokio::spawn(zds_server.serve(stopped));
+            loop {
+                zds_flag.set(zds.serving());
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    });
+
+    Ok(AmbientNode {
+        dataplane,
+        client: setup.client,
+        pod_namespace: setup.pod_namespace,
+        node_name: cfg.node_name,
+        owned_config: setup.owned_config,
+        disable_safe_upgrade: cfg.disable_safe_upgrade,
+    })
+}

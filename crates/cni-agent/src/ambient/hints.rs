@@ -1,0 +1,123 @@
+//! Where each pod's network namespace is, as the runtime told us in CNI ADD (`CNI_NETNS`), kept
+//! as one small file per pod UID under `<CNI_AGENT_RUN_DIR>/netns/`.
+//!
+//! Istio finds the namespaces of running pods only by scanning /proc, which depends on cgroup
+//! layouts and needs a process in the pod. A hint is checked before use exactly like a /proc
+//! candidate (it must be a network namespace holding one of the pod's IPs), so a stale or reused
+//! path can never pair a pod with another pod's namespace; /proc stays the fallback. The run dir is
+//! a tmpfs on the host, so hints survive agent restarts and upgrades but not node reboots, like the
+//! namespaces they point to.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use dataplane::netns::Netns;
+
+use crate::procfs::{HostNetns, NetnsOpener};
+
+pub struct NetnsHints {
+    dir: PathBuf,
+}
+
+/// Pod UIDs become file names: anything but `[A-Za-z0-9-]` is refused.
+fn valid_uid(uid: &str) -> bool {
+    !uid.is_empty()
+        && uid.len() <= 64
+        && uid.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+impl NetnsHints {
+    pub fn new(run_dir: &Path) -> Self {
+        NetnsHints {
+            dir: run_dir.join("netns"),
+        }
+    }
+
+    /// Remembers the namespace path of a pod's sandbox. Failures only cost the shortcut.
+    pub fn record(&self, uid: &str, netns_path: &str) {
+        if !valid_uid(uid) {
+            return;
+        }
+        use std::os::unix::fs::DirBuilderExt;
+        let result = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)
+            .and_then(|()| {
+                let tmp = self.dir.join(format!(".{uid}.tmp"));
+                std::fs::write(&tmp, netns_path)?;
+                std::fs::rename(tmp, self.dir.join(uid))
+            });
+        if let Err(e) = result {
+            tracing::warn!(uid, error = %e, "cannot record netns hint");
+        }
+    }
+
+    pub fn forget(&self, uid: &str) {
+        if valid_uid(uid) {
+            let _ = std::fs::remove_file(self.dir.join(uid));
+        }
+    }
+
+    /// Opens the hinted namespace (under `host_prefix`) if it is a network namespace that holds
+    /// one of `ips`; `None` otherwise (no hint, gone, reused by another pod, or no IPs to check).
+    pub fn open_verified(&self, uid: &str, ips: &[IpAddr], host_prefix: &Path) -> Option<Netns> {
+        if !valid_uid(uid) || ips.is_empty() {
+            return None;
+        }
+        let path = std::fs::read_to_string(self.dir.join(uid)).ok()?;
+        let relative = Path::new(path.trim()).strip_prefix("/").ok()?;
+        if relative
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
+        {
+            return None;
+        }
+        let netns = HostNetns.open(&host_prefix.join(relative)).ok()?;
+        match HostNetns.owns(&netns, ips) {
+            Ok(true) => Some(netns),
+            Ok(false) => {
+                tracing::warn!(uid, path = %path.trim(), "netns hint no longer holds the pod's IPs; ignoring it");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(uid, error = %e, "cannot check netns hint");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_uids_that_are_not_file_names() {
+        for bad in ["", "../x", "a/b", ".", "a b"] {
+            assert!(!valid_uid(bad), "{bad:?}");
+        }
+        assert!(valid_uid("863b91d4-4b68-4efa-917f-4b560e3e86aa"));
+    }
+
+    #[test]
+    fn unknown_or_ipless_pods_have_no_hint() {
+        let dir = tempfile::tempdir().unwrap();
+        let hints = NetnsHints::new(dir.path());
+        hints.record("uid-1", "/proc/self/ns/net");
+        assert!(
+            hints
+                .open_verified("uid-2", &["10.0.0.1".parse().unwrap()], Path::new("/"))
+                .is_none()
+        );
+        assert!(hints.open_verified("uid-1", &[], Path::new("/")).is_none());
+        // This process's namespace does not hold a TEST-NET address: the hint is not trusted.
+        assert!(
+            hints
+                .open_verified("uid-1", &["192.0.2.77".parse().unwrap()], Path::new("/"))
+                .is_none()
+        );
+        hints.forget("uid-1");
+        assert!(!dir.path().join("netns/uid-1").exists());
+    }
+}

@@ -1,0 +1,486 @@
+//! A Kubernetes node in a box, for end-to-end tests and the demo: a real kube-apiserver, a "node"
+//! network namespace holding the CNI bridge, the real `install-cni` agent process with every host
+//! path in a temp dir, Debian's CNI plugins chained with our `istio-cni` by the installer itself,
+//! and pods as network namespaces created through that chain exactly as a runtime would.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dataplane::test_support::TestNetns;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+use super::cni_runtime::{CniRuntime, CniRuntimeError, Sandbox};
+use super::kube::KubeTestEnv;
+
+/// Where `cargo build --workspace --bins` put our binaries (`target/<profile>`).
+pub fn binary_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("own executable path");
+    // target/<profile>/deps/<test>-<hash> or target/<profile>/<bin>
+    let mut dir = exe.parent().expect("executable dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    for bin in ["istio-cni", "install-cni"] {
+        assert!(
+            dir.join(bin).is_file(),
+            "{} is missing: build the binaries first (cargo build --workspace --bins --features cni-agent/testing)",
+            dir.join(bin).display()
+        );
+    }
+    dir
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Iptables,
+    Nftables,
+}
+
+/// Debian's reference plugins.
+const DEBIAN_CNI: &str = "/usr/lib/cni";
+const POD_CIDR: &str = "10.88.0.0/24";
+
+pub struct TestNode {
+    pub kube: KubeTestEnv,
+    pub dir: tempfile::TempDir,
+    pub node_netns: TestNetns,
+    pub node_name: String,
+    pub health_port: u16,
+    pub metrics_port: u16,
+    pub backend: Backend,
+    agent: Option<Child>,
+    kubelet: Option<Child>,
+    api_forwarder: std::net::TcpListener,
+}
+
+/// Plugins run in the node namespace (as on a node, where they run in the host's) but the API
+/// server listens on the test's loopback: forward the node's `127.0.0.1:port` to it. The outbound
+/// connection is made from this (test) namespace, the listener lives in the node's.
+fn forward_loopback(node: &TestNetns, port: u16) -> std::net::TcpListener {
+    let listener = node
+        .open()
+        .run(|| std::net::TcpListener::bind(("127.0.0.1", port)))
+        .unwrap()
+        .expect("listener in the node namespace");
+    let accept = listener.try_clone().unwrap();
+    std::thread::spawn(move || {
+        for conn in accept.incoming() {
+            let Ok(down) = conn else { return };
+            let Ok(up) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+                continue;
+            };
+            for (mut from, mut to) in [
+                (down.try_clone().unwrap(), up.try_clone().unwrap()),
+                (up, down),
+            ] {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+    listener
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A pod as the test created it: its API object and its sandbox.
+pub struct TestPod {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub netns: TestNetns,
+    pub ip: Option<IpAddr>,
+    pub container_id: String,
+}
+
+impl TestNode {
+    pub async fn start(backend: Backend) -> TestNode {
+        let kube = KubeTestEnv::start().await;
+        let dir = tempfile::Builder::new()
+            .prefix("test-node")
+            .tempdir()
+            .unwrap();
+        let d = dir.path();
+        for sub in ["net.d", "bin", "src-bin", "run", "sa", "zt", "ipam"] {
+            std::fs::create_dir_all(d.join(sub)).unwrap();
+        }
+        for plugin in ["bridge", "host-local", "loopback", "portmap"] {
+            std::os::unix::fs::symlink(
+                Path::new(DEBIAN_CNI).join(plugin),
+                d.join("bin").join(plugin),
+            )
+            .unwrap();
+        }
+        std::fs::copy(binary_dir().join("istio-cni"), d.join("src-bin/istio-cni")).unwrap();
+        std::fs::write(d.join("sa/token"), kube.admin_token()).unwrap();
+        std::fs::write(d.join("sa/ca.crt"), kube.ca_pem()).unwrap();
+        kube.write_kubeconfig(&d.join("kubeconfig"), kube.admin_token());
+        let conflist = json!({
+            "cniVersion": "1.0.0",
+            "name": "e2e",
+            "plugins": [
+                {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
+                 "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR}]],
+                          "routes": [{"dst": "0.0.0.0/0"}], "dataDir": d.join("ipam")}},
+                {"type": "portmap", "capabilities": {"portMappings": true}}
+            ]
+        });
+        std::fs::write(
+            d.join("net.d/10-e2e.conflist"),
+            serde_json::to_vec_pretty(&conflist).unwrap(),
+        )
+        .unwrap();
+
+        let kubelet = (backend == Backend::Nftables).then(|| {
+            // The nftables host rule matches kubelet's UID, found from a process named kubelet.
+            let fake = d.join("kubelet");
+            std::fs::copy("/bin/sleep", &fake).unwrap();
+            Command::new(&fake)
+                .arg("infinity")
+                .spawn()
+                .expect("fake kubelet")
+        });
+
+        let node_netns = TestNetns::new("node");
+        let api_forwarder = forward_loopback(&node_netns, kube.port());
+        let mut node = TestNode {
+            kube,
+            node_netns,
+            api_forwarder,
+            node_name: format!("node-{}", std::process::id()),
+            health_port: free_port(),
+            metrics_port: free_port(),
+            backend,
+            agent: None,
+            kubelet,
+            dir,
+        };
+        node.start_agent();
+        node.wait_ready().await;
+        node
+    }
+
+    pub fn path(&self, sub: &str) -> PathBuf {
+        self.dir.path().join(sub)
+    }
+
+    /// The agent's environment: Istio's variables, every host path under the temp dir.
+    pub fn agent_env(&self) -> Vec<(String, String)> {
+        let p = |s: &str| self.path(s).display().to_string();
+        let env = vec![
+            ("NODE_NAME", self.node_name.clone()),
+            ("AMBIENT_ENABLED", "true".into()),
+            ("AMBIENT_DNS_CAPTURE", "true".into()),
+            ("AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", "true".into()),
+            (
+                "NATIVE_NFTABLES",
+                (self.backend == Backend::Nftables).to_string(),
+            ),
+            ("MOUNTED_CNI_NET_DIR", p("net.d")),
+            ("CNI_BIN_DIR", p("bin")),
+            ("CNI_BIN_SOURCE_DIR", p("src-bin")),
+            ("CNI_AGENT_RUN_DIR", p("run")),
+            ("SERVICE_ACCOUNT_DIR", p("sa")),
+            ("KUBERNETES_SERVICE_HOST", "127.0.0.1".into()),
+            ("KUBERNETES_SERVICE_PORT", self.kube.port().to_string()),
+            ("KUBECONFIG", p("kubeconfig")),
+            ("ZTUNNEL_UDS_ADDRESS", p("zt/ztunnel.sock")),
+            ("HOST_PREFIX", "/".into()),
+            ("HOST_NETNS", self.node_netns.path().display().to_string()),
+            ("HEALTH_PORT", self.health_port.to_string()),
+            ("MONITORING_PORT", self.metrics_port.to_string()),
+            ("POD_NAMESPACE", "istio-system".into()),
+            ("EXCLUDE_NAMESPACES", "kube-system".into()),
+        ];
+        env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    }
+
+    pub fn start_agent(&mut self) {
+        assert!(self.agent.is_none(), "agent already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.path("agent.log"))
+            .unwrap();
+        let level = std::env::var("AGENT_LOG_LEVEL").unwrap_or_else(|_| "info".into());
+        let child = Command::new(binary_dir().join("install-cni"))
+            .arg(format!("--log_output_level={level}"))
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(self.agent_env())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start install-cni");
+        self.agent = Some(child);
+    }
+
+    /// SIGKILL: no cleanup runs (a crash).
+    pub fn kill_agent(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait: the agent's shutdown path runs.
+    pub fn stop_agent(&mut self) -> std::process::ExitStatus {
+        let mut c = self.agent.take().expect("agent running");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent did not stop within 20s\n{}",
+                self.agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn agent_log(&self) -> String {
+        let log = std::fs::read_to_string(self.path("agent.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(60)..].join("\n")
+    }
+
+    /// `GET /readyz` on the agent's health port: status code and body.
+    pub fn readyz(&self) -> Option<(u16, String)> {
+        http_get(self.health_port, "/readyz")
+    }
+
+    pub fn metrics(&self) -> String {
+        http_get(self.metrics_port, "/metrics")
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    }
+
+    /// Waits until `/readyz` is 200 (installer, watches and ZDS server all ready).
+    pub async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(c) = self.agent.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                panic!("agent exited with {status}:\n{}", self.agent_log());
+            }
+            if let Some((200, _)) = self.readyz() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent not ready after 60s: {:?}\n{}",
+                self.readyz(),
+                self.agent_log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The CNI config the installer wrote (the primary with our entry chained).
+    pub fn conflist(&self) -> String {
+        std::fs::read_to_string(self.path("net.d/10-e2e.conflist")).unwrap()
+    }
+
+    /// A runtime that runs the installed chain in the node namespace.
+    pub fn runtime(&self) -> CniRuntime {
+        CniRuntime::new(&self.conflist(), vec![self.path("bin")])
+            .unwrap()
+            .in_netns(self.node_netns.open())
+    }
+
+    pub async fn create_namespace(&self, name: &str, labels: &[(&str, &str)]) {
+        let labels: serde_json::Map<String, Value> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), Value::from(*v)))
+            .collect();
+        let ns: Namespace =
+            serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).unwrap();
+        Api::<Namespace>::all(self.kube.client())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap();
+    }
+
+    pub async fn label_namespace(&self, name: &str, key: &str, value: Option<&str>) {
+        let patch = json!({"metadata": {"labels": {key: value}}});
+        Api::<Namespace>::all(self.kube.client())
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    pub async fn label_pod(&self, pod: &TestPod, key: &str, value: Option<&str>) {
+        let patch = json!({"metadata": {"labels": {key: value}}});
+        self.pods(&pod.namespace)
+            .patch(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    pub fn pods(&self, namespace: &str) -> Api<Pod> {
+        Api::namespaced(self.kube.client(), namespace)
+    }
+
+    /// Creates the Pod object (scheduled to this node), then its sandbox through the CNI chain,
+    /// then writes the status the kubelet would (IP, Running). The ADD error, if any, is returned
+    /// with the pod (whose sandbox then has no network).
+    pub async fn create_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        labels: &[(&str, &str)],
+    ) -> (TestPod, Result<Value, CniRuntimeError>) {
+        let labels: serde_json::Map<String, Value> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), Value::from(*v)))
+            .collect();
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"nodeName": self.node_name, "serviceAccountName": "default",
+                     "containers": [{"name": "app", "image": "app"}]}
+        }))
+        .unwrap();
+        let created = self
+            .pods(namespace)
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap();
+        let uid = created.metadata.uid.clone().unwrap();
+        let mut test_pod = TestPod {
+            namespace: namespace.into(),
+            name: name.into(),
+            uid,
+            netns: TestNetns::new("pod"),
+            ip: None,
+            container_id: format!("{:0>32}", name.replace('-', "")),
+        };
+        let result = self.sandbox_add(&mut test_pod).await;
+        (test_pod, result)
+    }
+
+    /// Runs CNI ADD for the pod's sandbox (in a blocking thread: the agent may take a while) and,
+    /// on success, writes the pod's IP and phase like the kubelet.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the error carries the failing plugin's whole output"
+    )]
+    pub async fn sandbox_add(&self, pod: &mut TestPod) -> Result<Value, CniRuntimeError> {
+        let runtime = self.runtime();
+        let sandbox = Sandbox::k8s(
+            &pod.container_id,
+            pod.netns.path(),
+            &pod.namespace,
+            &pod.name,
+            &pod.uid,
+        );
+        let result = tokio::task::spawn_blocking(move || runtime.add(&sandbox))
+            .await
+            .unwrap();
+        if let Ok(r) = &result {
+            let ip: IpAddr = r["ips"][0]["address"]
+                .as_str()
+                .unwrap()
+                .split('/')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            pod.ip = Some(ip);
+            let status = json!({"status": {"phase": "Running", "podIP": ip.to_string(),
+                                            "podIPs": [{"ip": ip.to_string()}]}});
+            self.pods(&pod.namespace)
+                .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+                .unwrap();
+        }
+        result
+    }
+
+    /// The pod's `ambient.istio.io/redirection` annotation.
+    pub async fn redirection(&self, pod: &TestPod) -> Option<String> {
+        let p = self.pods(&pod.namespace).get(&pod.name).await.unwrap();
+        p.metadata
+            .annotations
+            .and_then(|a| a.get(cni_core::reconcile::REDIRECTION_ANNOTATION).cloned())
+    }
+
+    /// Polls until the annotation equals `want` (None = absent).
+    pub async fn wait_redirection(&self, pod: &TestPod, want: Option<&str>) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let got = self.redirection(pod).await;
+            if got.as_deref() == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}/{}: redirection {got:?}, want {want:?}\n{}",
+                pod.namespace,
+                pod.name,
+                self.agent_log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn delete_pod(&self, pod: &TestPod) {
+        self.pods(&pod.namespace)
+            .delete(&pod.name, &DeleteParams::default().grace_period(0))
+            .await
+            .unwrap();
+    }
+}
+
+fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).ok()?;
+    let code = resp.get(9..12)?.parse().ok()?;
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Some((code, body))
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        self.kill_agent();
+        // Wakes the forwarder's accept loop so its thread ends.
+        let _ = nix::sys::socket::shutdown(
+            std::os::fd::AsRawFd::as_raw_fd(&self.api_forwarder),
+            nix::sys::socket::Shutdown::Both,
+        );
+        if let Some(mut k) = self.kubelet.take() {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    }
+}
