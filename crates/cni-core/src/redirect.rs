@@ -6,6 +6,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 pub mod iptables;
 pub mod nft;
 pub mod overrides;
+pub mod sidecar;
 
 /// Ports, marks and names shared with ztunnel and Istio. Changing any of them breaks wire
 /// compatibility.

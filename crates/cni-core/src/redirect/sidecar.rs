@@ -1,0 +1,782 @@
+//! Sidecar-mode redirection, which the CNI plugin programs in place of the privileged
+//! `istio-init` container: which pods get it (detection from the Pod object), the per-pod
+//! settings their annotations select (every value validated), and the rule set in iptables
+//! syntax, byte-identical to Istio's `istio-iptables` output for the same inputs.
+//!
+//! The rules reuse the ambient [`Rule`] model and its restore renderer; only the rule list
+//! differs, so verification and replacement work the same way for both modes.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde_json::Value;
+
+use super::iptables::{Family, Position, Rule, restore_text};
+use super::{InterfaceName, InvalidInterfaceName};
+
+pub const ANNOTATION_STATUS: &str = "sidecar.istio.io/status";
+pub const INJECT: &str = "sidecar.istio.io/inject";
+pub const INTERCEPTION_MODE: &str = "sidecar.istio.io/interceptionMode";
+pub const INCLUDE_OUTBOUND_IP_RANGES: &str = "traffic.sidecar.istio.io/includeOutboundIPRanges";
+pub const EXCLUDE_OUTBOUND_IP_RANGES: &str = "traffic.sidecar.istio.io/excludeOutboundIPRanges";
+pub const INCLUDE_INBOUND_PORTS: &str = "traffic.sidecar.istio.io/includeInboundPorts";
+pub const EXCLUDE_INBOUND_PORTS: &str = "traffic.sidecar.istio.io/excludeInboundPorts";
+pub const INCLUDE_OUTBOUND_PORTS: &str = "traffic.sidecar.istio.io/includeOutboundPorts";
+pub const EXCLUDE_OUTBOUND_PORTS: &str = "traffic.sidecar.istio.io/excludeOutboundPorts";
+pub const EXCLUDE_INTERFACES: &str = "traffic.sidecar.istio.io/excludeInterfaces";
+pub const REROUTE_VIRTUAL_INTERFACES: &str = "istio.io/reroute-virtual-interfaces";
+/// Deprecated spelling, read only when [`REROUTE_VIRTUAL_INTERFACES`] is absent.
+pub const KUBEVIRT_INTERFACES: &str = "traffic.sidecar.istio.io/kubevirtInterfaces";
+
+pub const PROXY_CONTAINER: &str = "istio-proxy";
+pub const INIT_CONTAINER: &str = "istio-init";
+
+/// Owner UID/GID of the proxy when the pod does not set a non-zero one.
+pub const DEFAULT_PROXY_ID: u32 = 1337;
+/// Envoy's outbound and inbound capture listeners, the HBONE port and the agent's DNS proxy.
+pub const OUTBOUND_PORT: u16 = 15001;
+pub const INBOUND_PORT: u16 = 15006;
+pub const TUNNEL_PORT: u16 = 15008;
+pub const DNS_PORT: u16 = 15053;
+/// Packet mark TPROXY'd inbound connections carry, and the policy-routing table it selects.
+pub const TPROXY_MARK: u32 = 1337;
+pub const TPROXY_ROUTE_TABLE: u32 = 133;
+/// Mark the proxy's own loopback connections to the app get in TPROXY mode.
+const OUTBOUND_MARK: u32 = 1338;
+/// Ports of the proxy's own listeners (status, health, Prometheus) that Istio always appends to
+/// the inbound exclusions.
+const ALWAYS_EXCLUDED_INBOUND: [u16; 3] = [15020, 15021, 15090];
+const DEFAULT_EXCLUDED_PORT: u16 = 15020;
+
+const ISTIO_INBOUND: &str = "ISTIO_INBOUND";
+const ISTIO_REDIRECT: &str = "ISTIO_REDIRECT";
+const ISTIO_IN_REDIRECT: &str = "ISTIO_IN_REDIRECT";
+const ISTIO_OUTPUT: &str = "ISTIO_OUTPUT";
+const ISTIO_OUTPUT_DNS: &str = "ISTIO_OUTPUT_DNS";
+const ISTIO_DIVERT: &str = "ISTIO_DIVERT";
+const ISTIO_TPROXY: &str = "ISTIO_TPROXY";
+const ISTIO_DROP: &str = "ISTIO_DROP";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InterceptionMode {
+    Redirect,
+    Tproxy,
+}
+
+/// A port selection that may be `*` (every port).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ports {
+    All,
+    /// Empty means none.
+    List(Vec<u16>),
+}
+
+/// An address selection that may be `*` (every destination).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IpRanges {
+    All,
+    /// Empty means none.
+    List(Vec<IpNet>),
+}
+
+/// Everything the sidecar rule set depends on, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SidecarConfig {
+    pub mode: InterceptionMode,
+    pub include_outbound_ip_ranges: IpRanges,
+    pub exclude_outbound_ip_ranges: Vec<IpNet>,
+    pub include_inbound_ports: Ports,
+    /// Already extended with 15020, 15021, 15090 and deduplicated (order kept).
+    pub exclude_inbound_ports: Vec<u16>,
+    pub include_outbound_ports: Vec<u16>,
+    pub exclude_outbound_ports: Vec<u16>,
+    pub exclude_interfaces: Vec<InterfaceName>,
+    pub reroute_virtual_interfaces: Vec<InterfaceName>,
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    /// `ISTIO_META_DNS_CAPTURE`: all DNS to the agent's DNS proxy.
+    pub redirect_dns: bool,
+    /// `ISTIO_DUAL_STACK`; carried for parity, no rule depends on it.
+    pub dual_stack: bool,
+    /// `INVALID_DROP`: drop conntrack-INVALID packets before they reach the app.
+    pub drop_invalid: bool,
+    /// Also program IPv6 (the pod has an IPv6 address).
+    pub ipv6: bool,
+}
+
+impl Default for SidecarConfig {
+    fn default() -> Self {
+        SidecarConfig {
+            mode: InterceptionMode::Redirect,
+            include_outbound_ip_ranges: IpRanges::All,
+            exclude_outbound_ip_ranges: Vec::new(),
+            include_inbound_ports: Ports::All,
+            exclude_inbound_ports: with_always_excluded(&[DEFAULT_EXCLUDED_PORT]),
+            include_outbound_ports: Vec::new(),
+            exclude_outbound_ports: vec![DEFAULT_EXCLUDED_PORT],
+            exclude_interfaces: Vec::new(),
+            reroute_virtual_interfaces: Vec::new(),
+            proxy_uid: DEFAULT_PROXY_ID,
+            proxy_gid: DEFAULT_PROXY_ID,
+            redirect_dns: false,
+            dual_stack: false,
+            drop_invalid: false,
+            ipv6: false,
+        }
+    }
+}
+
+fn with_always_excluded(ports: &[u16]) -> Vec<u16> {
+    let mut out: Vec<u16> = Vec::new();
+    for p in ports.iter().chain(ALWAYS_EXCLUDED_INBOUND.iter()) {
+        if !out.contains(p) {
+            out.push(*p);
+        }
+    }
+    out
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SidecarError {
+    #[error("annotation {annotation}={value:?}: {reason}")]
+    BadAnnotation {
+        annotation: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("pod object is not a Pod: {0}")]
+    NotAPod(&'static str),
+}
+
+/// What the plugin does with a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Detection {
+    /// Program the sidecar redirection described by the config.
+    Sidecar(Box<SidecarConfig>),
+    /// Leave the pod alone, for the reason given (logged).
+    Skip(String),
+}
+
+fn bad(annotation: &'static str, value: &str, reason: impl Into<String>) -> SidecarError {
+    SidecarError::BadAnnotation {
+        annotation,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Go's `strconv.ParseBool`, which is what Istio applies to every boolean knob.
+pub fn parse_go_bool(v: &str) -> Option<bool> {
+    match v {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+        _ => None,
+    }
+}
+
+fn items(value: &str) -> impl Iterator<Item = &str> {
+    value.split(',').map(str::trim).filter(|s| !s.is_empty())
+}
+
+fn parse_ports(annotation: &'static str, value: &str) -> Result<Vec<u16>, SidecarError> {
+    items(value)
+        .map(|p| match p.parse::<u16>() {
+            Ok(0) => Err(bad(annotation, value, format!("port {p:?} out of range"))),
+            Ok(n) => Ok(n),
+            Err(e) => Err(bad(annotation, value, format!("port {p:?}: {e}"))),
+        })
+        .collect()
+}
+
+fn parse_ports_wild(annotation: &'static str, value: &str) -> Result<Ports, SidecarError> {
+    if value.trim() == "*" {
+        Ok(Ports::All)
+    } else {
+        parse_ports(annotation, value).map(Ports::List)
+    }
+}
+
+fn parse_cidrs(annotation: &'static str, value: &str) -> Result<Vec<IpNet>, SidecarError> {
+    items(value)
+        .map(|c| {
+            c.parse::<IpNet>()
+                .map_err(|e| bad(annotation, value, format!("CIDR {c:?}: {e}")))
+        })
+        .collect()
+}
+
+fn parse_interfaces(
+    annotation: &'static str,
+    value: &str,
+) -> Result<Vec<InterfaceName>, SidecarError> {
+    items(value)
+        .map(|i| {
+            InterfaceName::new(i)
+                .map_err(|e: InvalidInterfaceName| bad(annotation, value, e.to_string()))
+        })
+        .collect()
+}
+
+/// A Pod object (JSON, as the API server serves it) reduced to what detection reads.
+struct PodFacts<'a> {
+    pod: &'a Value,
+}
+
+impl<'a> PodFacts<'a> {
+    fn map(&self, field: &str) -> Option<&'a serde_json::Map<String, Value>> {
+        self.pod.get("metadata")?.get(field)?.as_object()
+    }
+
+    fn annotation(&self, key: &str) -> Option<&'a str> {
+        self.map("annotations")?.get(key)?.as_str()
+    }
+
+    fn label(&self, key: &str) -> Option<&'a str> {
+        self.map("labels")?.get(key)?.as_str()
+    }
+
+    /// Init containers then containers: native sidecars are init containers.
+    fn containers(&self) -> impl Iterator<Item = &'a Value> {
+        let spec = self.pod.get("spec");
+        ["initContainers", "containers"]
+            .into_iter()
+            .flat_map(move |k| {
+                spec.and_then(|s| s.get(k))
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter())
+                    .into_iter()
+                    .flatten()
+            })
+    }
+
+    fn container(&self, name: &str) -> Option<&'a Value> {
+        self.containers()
+            .find(|c| c.get("name").and_then(Value::as_str) == Some(name))
+    }
+}
+
+fn env<'a>(container: &'a Value, name: &str) -> Option<&'a str> {
+    container
+        .get("env")?
+        .as_array()?
+        .iter()
+        .find(|e| e.get("name").and_then(Value::as_str) == Some(name))?
+        .get("value")?
+        .as_str()
+}
+
+fn env_bool(container: &Value, name: &str) -> bool {
+    // Istio only warns on an unparsable value and keeps the default (off).
+    env(container, name)
+        .and_then(parse_go_bool)
+        .unwrap_or(false)
+}
+
+fn security_id(container: &Value, field: &str) -> u32 {
+    container
+        .get("securityContext")
+        .and_then(|s| s.get(field))
+        .and_then(Value::as_u64)
+        .and_then(|v| u32::try_from(v).ok())
+        .filter(|v| *v != 0)
+        .unwrap_or(DEFAULT_PROXY_ID)
+}
+
+/// Decides whether the plugin programs sidecar redirection for `pod`, and with which settings.
+/// `ipv6`: the pod has an IPv6 address, so the IPv6 rules are programmed as well.
+pub fn detect(pod: &Value, ipv6: bool) -> Result<Detection, SidecarError> {
+    if !pod.is_object() {
+        return Err(SidecarError::NotAPod("not a JSON object"));
+    }
+    let facts = PodFacts { pod };
+    let skip = |why: &str| Ok(Detection::Skip(why.to_string()));
+    if facts.container(INIT_CONTAINER).is_some() {
+        return skip("istio-init container present: the pod programs its own rules");
+    }
+    let Some(proxy) = facts.container(PROXY_CONTAINER) else {
+        return skip("no istio-proxy container");
+    };
+    if env(proxy, "DISABLE_ENVOY").and_then(parse_go_bool) == Some(true) {
+        return skip("DISABLE_ENVOY on istio-proxy");
+    }
+    let args: Vec<&str> = proxy
+        .get("args")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if args.len() >= 2 && args[0] == "proxy" && args[1] != "sidecar" {
+        return Ok(Detection::Skip(format!(
+            "proxy type {} is not sidecar",
+            args[1]
+        )));
+    }
+    // The label is the newer API and wins when both are set, even if it does not parse.
+    let inject = facts.label(INJECT).or_else(|| facts.annotation(INJECT));
+    if inject.and_then(parse_go_bool) == Some(false) {
+        return skip("sidecar injection disabled");
+    }
+    if facts.annotation(ANNOTATION_STATUS).is_none() {
+        return skip("no sidecar.istio.io/status annotation: not injected");
+    }
+    let mut cfg = config_from_annotations(|k| facts.annotation(k))?;
+    cfg.proxy_uid = security_id(proxy, "runAsUser");
+    cfg.proxy_gid = security_id(proxy, "runAsGroup");
+    cfg.redirect_dns = env_bool(proxy, "ISTIO_META_DNS_CAPTURE");
+    cfg.dual_stack = env_bool(proxy, "ISTIO_DUAL_STACK");
+    cfg.drop_invalid = env_bool(proxy, "INVALID_DROP");
+    cfg.ipv6 = ipv6;
+    Ok(Detection::Sidecar(Box::new(cfg)))
+}
+
+/// The annotation-driven part of the config (Istio's `NewRedirect`); IDs and env keep defaults.
+pub fn config_from_annotations<'a>(
+    get: impl Fn(&str) -> Option<&'a str>,
+) -> Result<SidecarConfig, SidecarError> {
+    let mut cfg = SidecarConfig::default();
+    if let Some(v) = get(INTERCEPTION_MODE) {
+        cfg.mode = match v {
+            "REDIRECT" => InterceptionMode::Redirect,
+            "TPROXY" => InterceptionMode::Tproxy,
+            _ => return Err(bad(INTERCEPTION_MODE, v, "expected REDIRECT or TPROXY")),
+        };
+    }
+    if let Some(v) = get(INCLUDE_OUTBOUND_IP_RANGES) {
+        cfg.include_outbound_ip_ranges = if v.trim() == "*" {
+            IpRanges::All
+        } else {
+            IpRanges::List(parse_cidrs(INCLUDE_OUTBOUND_IP_RANGES, v)?)
+        };
+    }
+    if let Some(v) = get(EXCLUDE_OUTBOUND_IP_RANGES) {
+        cfg.exclude_outbound_ip_ranges = parse_cidrs(EXCLUDE_OUTBOUND_IP_RANGES, v)?;
+    }
+    if let Some(v) = get(INCLUDE_INBOUND_PORTS) {
+        cfg.include_inbound_ports = parse_ports_wild(INCLUDE_INBOUND_PORTS, v)?;
+    }
+    if let Some(v) = get(EXCLUDE_INBOUND_PORTS) {
+        // Istio accepts `*` here and would render `--dport *`, which iptables rejects; excluding
+        // every inbound port means capturing none.
+        match parse_ports_wild(EXCLUDE_INBOUND_PORTS, v)? {
+            Ports::All => {
+                cfg.include_inbound_ports = Ports::List(Vec::new());
+                cfg.exclude_inbound_ports = with_always_excluded(&[]);
+            }
+            Ports::List(p) => cfg.exclude_inbound_ports = with_always_excluded(&p),
+        }
+    }
+    if let Some(v) = get(INCLUDE_OUTBOUND_PORTS) {
+        cfg.include_outbound_ports = match parse_ports_wild(INCLUDE_OUTBOUND_PORTS, v)? {
+            // Every port is what the wildcard IP include already captures.
+            Ports::All => Vec::new(),
+            Ports::List(p) => p,
+        };
+    }
+    if let Some(v) = get(EXCLUDE_OUTBOUND_PORTS) {
+        // Same `*` fix as inbound: no outbound capture at all.
+        match parse_ports_wild(EXCLUDE_OUTBOUND_PORTS, v)? {
+            Ports::All => {
+                cfg.exclude_outbound_ports = Vec::new();
+                cfg.include_outbound_ip_ranges = IpRanges::List(Vec::new());
+                cfg.include_outbound_ports = Vec::new();
+            }
+            Ports::List(p) => cfg.exclude_outbound_ports = p,
+        }
+    }
+    if let Some(v) = get(EXCLUDE_INTERFACES) {
+        cfg.exclude_interfaces = parse_interfaces(EXCLUDE_INTERFACES, v)?;
+    }
+    if let Some(v) = get(REROUTE_VIRTUAL_INTERFACES) {
+        cfg.reroute_virtual_interfaces = parse_interfaces(REROUTE_VIRTUAL_INTERFACES, v)?;
+    } else if let Some(v) = get(KUBEVIRT_INTERFACES) {
+        cfg.reroute_virtual_interfaces = parse_interfaces(KUBEVIRT_INTERFACES, v)?;
+    }
+    Ok(cfg)
+}
+
+/// Rules in the order Istio's builder emits them, for one family.
+struct Builder {
+    family: Family,
+    rules: Vec<Rule>,
+}
+
+impl Builder {
+    fn add(&mut self, table: &'static str, chain: &'static str, args: String) {
+        self.rules.push(Rule {
+            table,
+            chain,
+            position: Position::Append,
+            args,
+        });
+    }
+
+    fn insert(&mut self, table: &'static str, chain: &'static str, pos: u32, args: String) {
+        self.rules.push(Rule {
+            table,
+            chain,
+            position: Position::Insert(pos),
+            args,
+        });
+    }
+
+    fn pick<'a>(&self, v4: &'a str, v6: &'a str) -> &'a str {
+        match self.family {
+            Family::V4 => v4,
+            Family::V6 => v6,
+        }
+    }
+
+    fn lo(&self) -> &'static str {
+        self.family.loopback()
+    }
+
+    fn inbound_passthrough(&self) -> &'static str {
+        self.pick("127.0.0.6/32", "::6/128")
+    }
+
+    fn matches(&self, net: &IpNet) -> bool {
+        matches!(
+            (self.family, net),
+            (Family::V4, IpNet::V4(_)) | (Family::V6, IpNet::V6(_))
+        )
+    }
+}
+
+/// The sidecar rules for one family, as `istio-iptables` orders them.
+pub fn iptables_rules(cfg: &SidecarConfig, family: Family) -> Vec<Rule> {
+    let mut b = Builder {
+        family,
+        rules: Vec::new(),
+    };
+    let tproxy = cfg.mode == InterceptionMode::Tproxy;
+    let (uid, gid) = (cfg.proxy_uid, cfg.proxy_gid);
+    let lo = b.lo();
+
+    for i in &cfg.exclude_interfaces {
+        b.add("nat", "PREROUTING", format!("-i {i} -j RETURN"));
+        b.add("nat", "OUTPUT", format!("-o {i} -j RETURN"));
+    }
+    if tproxy {
+        for i in &cfg.exclude_interfaces {
+            b.add("mangle", "PREROUTING", format!("-i {i} -j RETURN"));
+            b.add("mangle", "OUTPUT", format!("-o {i} -j RETURN"));
+        }
+    }
+    for i in &cfg.reroute_virtual_interfaces {
+        b.insert("nat", "PREROUTING", 1, format!("-i {i} -j RETURN"));
+    }
+    if cfg.drop_invalid {
+        b.add(
+            "mangle",
+            "PREROUTING",
+            format!("-m conntrack --ctstate INVALID -j {ISTIO_DROP}"),
+        );
+        b.add("mangle", ISTIO_DROP, "-j DROP".into());
+    }
+    b.add(
+        "nat",
+        ISTIO_INBOUND,
+        format!("-p tcp --dport {TUNNEL_PORT} -j RETURN"),
+    );
+    b.add(
+        "nat",
+        ISTIO_REDIRECT,
+        format!("-p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}"),
+    );
+    b.add(
+        "nat",
+        ISTIO_IN_REDIRECT,
+        format!("-p tcp -j REDIRECT --to-ports {INBOUND_PORT}"),
+    );
+
+    inbound(&mut b, cfg);
+
+    b.add("nat", "OUTPUT", format!("-j {ISTIO_OUTPUT}"));
+    for p in &cfg.exclude_outbound_ports {
+        b.add("nat", ISTIO_OUTPUT, format!("-p tcp --dport {p} -j RETURN"));
+        b.add("nat", ISTIO_OUTPUT, format!("-p udp --dport {p} -j RETURN"));
+    }
+    let passthrough = b.inbound_passthrough();
+    b.add(
+        "nat",
+        ISTIO_OUTPUT,
+        format!("-o lo -s {passthrough} -j RETURN"),
+    );
+    // Include ranges that contain loopback capture the app's own loopback traffic too, so the
+    // "app on lo → straight through" shortcut must not exist then.
+    let include_has_loopback = match &cfg.include_outbound_ip_ranges {
+        IpRanges::All => false,
+        IpRanges::List(nets) => nets.iter().any(|n| n.addr().is_loopback()),
+    };
+    for (flag, id) in [("--uid-owner", uid), ("--gid-owner", gid)] {
+        let not_tunnel = if cfg.redirect_dns && flag == "--uid-owner" {
+            format!("-m multiport ! --dports 53,{TUNNEL_PORT}")
+        } else {
+            format!("! --dport {TUNNEL_PORT}")
+        };
+        b.add(
+            "nat",
+            ISTIO_OUTPUT,
+            format!(
+                "-o lo ! -d {lo} -p tcp {not_tunnel} -m owner {flag} {id} -j {ISTIO_IN_REDIRECT}"
+            ),
+        );
+        if !include_has_loopback {
+            let args = if cfg.redirect_dns {
+                format!("-o lo -p tcp ! --dport 53 -m owner ! {flag} {id} -j RETURN")
+            } else {
+                format!("-o lo -m owner ! {flag} {id} -j RETURN")
+            };
+            b.add("nat", ISTIO_OUTPUT, args);
+        }
+        b.add(
+            "nat",
+            ISTIO_OUTPUT,
+            format!("-m owner {flag} {id} -j RETURN"),
+        );
+    }
+    if cfg.redirect_dns {
+        dns(&mut b, cfg);
+    }
+    b.add("nat", ISTIO_OUTPUT, format!("-d {lo} -j RETURN"));
+    let excluded: Vec<IpNet> = cfg
+        .exclude_outbound_ip_ranges
+        .iter()
+        .filter(|n| b.matches(n))
+        .copied()
+        .collect();
+    for net in excluded {
+        b.add("nat", ISTIO_OUTPUT, format!("-d {net} -j RETURN"));
+    }
+    for p in &cfg.include_outbound_ports {
+        b.add(
+            "nat",
+            ISTIO_OUTPUT,
+            format!("-p tcp --dport {p} -j {ISTIO_REDIRECT}"),
+        );
+    }
+    match &cfg.include_outbound_ip_ranges {
+        IpRanges::All => {
+            b.add("nat", ISTIO_OUTPUT, format!("-j {ISTIO_REDIRECT}"));
+            for i in &cfg.reroute_virtual_interfaces {
+                b.insert(
+                    "nat",
+                    "PREROUTING",
+                    1,
+                    format!("-i {i} -j {ISTIO_REDIRECT}"),
+                );
+            }
+        }
+        IpRanges::List(nets) => {
+            let nets: Vec<IpNet> = nets.iter().filter(|n| b.matches(n)).copied().collect();
+            for net in nets {
+                for i in &cfg.reroute_virtual_interfaces {
+                    b.insert(
+                        "nat",
+                        "PREROUTING",
+                        1,
+                        format!("-i {i} -d {net} -j {ISTIO_REDIRECT}"),
+                    );
+                }
+                b.add("nat", ISTIO_OUTPUT, format!("-d {net} -j {ISTIO_REDIRECT}"));
+            }
+        }
+    }
+    if tproxy {
+        tproxy_tail(&mut b, cfg);
+    }
+    b.rules
+}
+
+fn inbound(b: &mut Builder, cfg: &SidecarConfig) {
+    let tproxy = cfg.mode == InterceptionMode::Tproxy;
+    if matches!(&cfg.include_inbound_ports, Ports::List(p) if p.is_empty()) {
+        return;
+    }
+    let table = if tproxy {
+        b.add(
+            "mangle",
+            ISTIO_DIVERT,
+            format!("-j MARK --set-mark {TPROXY_MARK}"),
+        );
+        b.add("mangle", ISTIO_DIVERT, "-j ACCEPT".into());
+        let lo = b.lo();
+        b.add(
+            "mangle",
+            ISTIO_TPROXY,
+            format!(
+                "! -d {lo} -p tcp -j TPROXY --tproxy-mark {TPROXY_MARK}/0xffffffff --on-port {INBOUND_PORT}"
+            ),
+        );
+        "mangle"
+    } else {
+        "nat"
+    };
+    b.add(table, "PREROUTING", format!("-p tcp -j {ISTIO_INBOUND}"));
+    match &cfg.include_inbound_ports {
+        Ports::All => {
+            for p in &cfg.exclude_inbound_ports {
+                b.add(
+                    table,
+                    ISTIO_INBOUND,
+                    format!("-p tcp --dport {p} -j RETURN"),
+                );
+            }
+            if tproxy {
+                b.add(
+                    "mangle",
+                    ISTIO_INBOUND,
+                    format!("-p tcp -m conntrack --ctstate RELATED,ESTABLISHED -j {ISTIO_DIVERT}"),
+                );
+                b.add("mangle", ISTIO_INBOUND, format!("-p tcp -j {ISTIO_TPROXY}"));
+            } else {
+                b.add(
+                    "nat",
+                    ISTIO_INBOUND,
+                    format!("-p tcp -j {ISTIO_IN_REDIRECT}"),
+                );
+            }
+        }
+        Ports::List(ports) => {
+            for p in ports {
+                if tproxy {
+                    b.add(
+                        "mangle",
+                        ISTIO_INBOUND,
+                        format!(
+                            "-p tcp --dport {p} -m conntrack --ctstate RELATED,ESTABLISHED -j {ISTIO_DIVERT}"
+                        ),
+                    );
+                    b.add(
+                        "mangle",
+                        ISTIO_INBOUND,
+                        format!("-p tcp --dport {p} -j {ISTIO_TPROXY}"),
+                    );
+                } else {
+                    b.add(
+                        "nat",
+                        ISTIO_INBOUND,
+                        format!("-p tcp --dport {p} -j {ISTIO_IN_REDIRECT}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn dns(b: &mut Builder, cfg: &SidecarConfig) {
+    let (uid, gid) = (cfg.proxy_uid, cfg.proxy_gid);
+    b.add("raw", "OUTPUT", format!("-j {ISTIO_OUTPUT_DNS}"));
+    b.add("nat", ISTIO_OUTPUT, format!("-j {ISTIO_OUTPUT_DNS}"));
+    b.add(
+        "nat",
+        ISTIO_OUTPUT_DNS,
+        format!("-p tcp --dport 53 -j REDIRECT --to-ports {DNS_PORT}"),
+    );
+    b.add(
+        "nat",
+        ISTIO_OUTPUT_DNS,
+        format!("-p udp --dport 53 -j REDIRECT --to-port {DNS_PORT}"),
+    );
+    // The proxy's upstream queries and its answers to the app get separate conntrack zones, so
+    // the two legs of one lookup never share (and clash on) a conntrack entry.
+    for (flag, id) in [("--uid-owner", uid), ("--gid-owner", gid)] {
+        b.add(
+            "raw",
+            ISTIO_OUTPUT_DNS,
+            format!("-p udp --dport 53 -m owner {flag} {id} -j CT --zone 1"),
+        );
+        b.add(
+            "raw",
+            ISTIO_OUTPUT_DNS,
+            format!("-p udp --sport {DNS_PORT} -m owner {flag} {id} -j CT --zone 2"),
+        );
+    }
+    b.add("raw", "PREROUTING", format!("-j {ISTIO_INBOUND}"));
+    b.add(
+        "raw",
+        ISTIO_OUTPUT_DNS,
+        "-p udp --dport 53 -j CT --zone 2".into(),
+    );
+    b.add(
+        "raw",
+        ISTIO_INBOUND,
+        "-p udp --sport 53 -j CT --zone 1".into(),
+    );
+}
+
+fn tproxy_tail(b: &mut Builder, cfg: &SidecarConfig) {
+    let lo = b.lo();
+    b.add(
+        "mangle",
+        "PREROUTING",
+        format!("-p tcp -m mark --mark {TPROXY_MARK} -j CONNMARK --save-mark"),
+    );
+    b.add(
+        "mangle",
+        "OUTPUT",
+        format!("-p tcp -o lo -m mark --mark {TPROXY_MARK} -j RETURN"),
+    );
+    for (flag, id) in [
+        ("--uid-owner", cfg.proxy_uid),
+        ("--gid-owner", cfg.proxy_gid),
+    ] {
+        b.add(
+            "mangle",
+            "OUTPUT",
+            format!(
+                "! -d {lo} -p tcp -o lo -m owner {flag} {id} -j MARK --set-mark {OUTBOUND_MARK}"
+            ),
+        );
+    }
+    b.add(
+        "mangle",
+        "OUTPUT",
+        format!("-p tcp -m connmark --mark {TPROXY_MARK} -j CONNMARK --restore-mark"),
+    );
+    b.insert(
+        "mangle",
+        ISTIO_INBOUND,
+        1,
+        format!("-p tcp -m mark --mark {TPROXY_MARK} -j RETURN"),
+    );
+    let passthrough = b.inbound_passthrough();
+    b.insert(
+        "mangle",
+        ISTIO_INBOUND,
+        2,
+        format!("-p tcp -s {passthrough} -i lo -j RETURN"),
+    );
+    b.insert(
+        "mangle",
+        ISTIO_INBOUND,
+        3,
+        format!("-p tcp -i lo -m mark ! --mark {OUTBOUND_MARK} -j RETURN"),
+    );
+}
+
+/// The families the config programs (v4 always; v6 when the pod has an IPv6 address).
+pub fn families(cfg: &SidecarConfig) -> Vec<Family> {
+    if cfg.ipv6 {
+        vec![Family::V4, Family::V6]
+    } else {
+        vec![Family::V4]
+    }
+}
+
+/// `iptables-restore --noflush` input per programmed family.
+pub fn iptables_restore(cfg: &SidecarConfig) -> Vec<(Family, String)> {
+    families(cfg)
+        .into_iter()
+        .map(|f| (f, restore_text(&iptables_rules(cfg, f))))
+        .collect()
+}
+
+/// The address family of a pod IP, for [`detect`]'s `ipv6` argument.
+pub fn has_ipv6(ips: impl IntoIterator<Item = IpAddr>) -> bool {
+    ips.into_iter()
+        .any(|ip| ip.is_ipv6() && !ip.is_loopback() && !is_v6_link_local(ip))
+}
+
+fn is_v6_link_local(ip: IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80)
+}
