@@ -11,6 +11,7 @@ pub mod install;
 pub mod metrics;
 pub mod netns_cache;
 pub mod procfs;
+pub mod repair;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod zds;
