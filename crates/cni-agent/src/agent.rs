@@ -69,6 +69,7 @@ pub async fn run(
     install: InstallConfig,
     ports: Ports,
     ambient: Option<AmbientSetup>,
+    repair: Option<crate::repair::RepairSetup>,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let mut registry = Registry::default();
@@ -119,6 +120,12 @@ pub async fn run(
         ),
         None => None,
     };
+    if let Some(r) = repair {
+        let controller =
+            crate::repair::RepairController::new(r.cfg, r.client, metrics.pods_repaired.clone());
+        let synced = readiness.condition("repair");
+        tokio::spawn(controller.run(Some(synced), stopped(stop_rx.clone())));
+    }
 
     serve_http(ports.health, health_router(readiness.clone()), "health").await?;
     if let Some(addr) = ports.metrics {

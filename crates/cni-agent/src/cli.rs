@@ -21,6 +21,8 @@ pub struct Cli {
     pub log: LogArgs,
     #[command(flatten)]
     pub ambient: AmbientArgs,
+    #[command(flatten)]
+    pub repair: crate::repair::RepairArgs,
 }
 
 /// Without a subcommand the agent runs until SIGTERM/SIGINT, then cleans up.
@@ -146,8 +148,20 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
     } else {
         None
     };
+    // An empty REPAIR_NODE_NAME means this node (NODE_NAME), not Istio's unscheduled-pods-only.
+    let repair = match crate::repair::RepairConfig::from_args(&cli.repair, a.node_name.as_deref())?
+    {
+        Some(cfg) => Some(crate::repair::RepairSetup {
+            cfg,
+            client: match &ambient {
+                Some(a) => a.client.clone(),
+                None => kube::Client::try_default().await?,
+            },
+        }),
+        None => None,
+    };
     tracing::info!(?cfg, ambient = ambient.is_some(), "agent configuration");
-    crate::agent::run(cfg, ports, ambient, shutdown_signal()).await
+    crate::agent::run(cfg, ports, ambient, repair, shutdown_signal()).await
 }
 
 /// Process entry point: parse, set up logging, run on a tokio runtime.
