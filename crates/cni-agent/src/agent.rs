@@ -15,8 +15,9 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::ambient::cluster::{Annotator, ClusterCache, spawn_watches};
-use crate::ambient::cni_server::{CniServer, PeerCheckedListener};
+use crate::ambient::cni_server::CniServer;
 use crate::ambient::config::AmbientConfig;
+use crate::ambient::explain::Explainer;
 use crate::ambient::mesh::Mesh;
 use crate::ambient::node::{NodeDataplane, seams};
 use crate::ambient::reconciler::{Policy, Reconciler};
@@ -25,13 +26,32 @@ use crate::http::{Readiness, health_router, metrics_router};
 use crate::install::Installer;
 use crate::metrics::{Metrics, ResultLabel};
 use crate::netns_cache::NetnsCache;
+use crate::uds::PeerCheckedListener;
 use crate::zds::{ZdsConfig, ZdsMetrics, ZdsServer};
 
-/// Where health and metrics are served.
-#[derive(Clone, Copy, Debug)]
+/// Where health and metrics are served, and who may use the local sockets.
+#[derive(Clone, Debug)]
 pub struct Ports {
     pub health: SocketAddr,
     pub metrics: Option<SocketAddr>,
+    /// UIDs allowed on `log.sock`, `pluginevent.sock` and `debug.sock` (`SO_PEERCRED`).
+    pub peer_uids: Vec<u32>,
+}
+
+fn serve_unix(
+    path: &std::path::Path,
+    uids: Vec<u32>,
+    router: axum::Router,
+    what: &'static str,
+) -> anyhow::Result<()> {
+    let listener = PeerCheckedListener::bind(path, uids)
+        .with_context(|| format!("{what} socket {}", path.display()))?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::error!(error = %e, "{what} server stopped");
+        }
+    });
+    Ok(())
 }
 
 /// Everything ambient mode needs besides the installer.
@@ -107,11 +127,18 @@ pub async fn run(
         let _ = rx.wait_for(|s| *s).await;
     };
 
+    serve_unix(
+        &run_dir.join(cni_core::cmdadd::LOG_SOCKET),
+        ports.peer_uids.clone(),
+        crate::logsock::router(),
+        "plugin log",
+    )?;
     let node = match ambient {
         Some(setup) => Some(
             start_ambient(
                 setup,
                 &run_dir,
+                &ports.peer_uids,
                 &metrics,
                 &readiness,
                 stopped(stop_rx.clone()),
@@ -143,7 +170,14 @@ pub async fn run(
         Some(n) => !n.keep_for_upgrade().await,
     };
     let _ = stop_tx.send(true);
-    let _ = std::fs::remove_file(run_dir.join(cni_core::cmdadd::EVENT_SOCKET));
+    // A missing socket makes the plugin fail ambient pods at once (fail closed) instead of waiting.
+    for socket in [
+        cni_core::cmdadd::EVENT_SOCKET,
+        cni_core::cmdadd::LOG_SOCKET,
+        DEBUG_SOCKET,
+    ] {
+        let _ = std::fs::remove_file(run_dir.join(socket));
+    }
     if full_cleanup {
         tracing::info!("uninstalling: removing the plugin, its config and host rules");
         if let Err(e) = installer.cleanup() {
@@ -163,6 +197,32 @@ pub async fn run(
     // Let the ZDS server close its connections and unlink its socket.
     tokio::time::sleep(Duration::from_millis(50)).await;
     result
+}
+
+/// Beyond Istio: enrolled pods' rules are re-verified continuously, so a flushed table or a deleted
+/// rule is repaired within one interval instead of leaving the pod unredirected until it restarts.
+fn spawn_drift_checks(
+    cluster: crate::ambient::cluster::SharedCache,
+    mesh: Arc<Mesh>,
+    every: Duration,
+) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            let enrolled: Vec<Arc<k8s_openapi::api::core::v1::Pod>> = cluster
+                .read()
+                .unwrap()
+                .pods
+                .values()
+                .filter(|p| {
+                    crate::ambient::cluster::facts(p).redirection()
+                        == cni_core::reconcile::Redirection::Enabled
+                })
+                .cloned()
+                .collect();
+            mesh.repair_drift(&enrolled).await;
+        }
+    });
 }
 
 /// The running ambient parts the shutdown path needs.
@@ -188,9 +248,13 @@ impl AmbientNode {
     }
 }
 
+/// `install-cni explain` asks the running agent here.
+pub const DEBUG_SOCKET: &str = "debug.sock";
+
 async fn start_ambient(
     setup: AmbientSetup,
     run_dir: &std::path::Path,
+    peer_uids: &[u32],
     metrics: &Metrics,
     readiness: &Arc<Readiness>,
     stopped: impl Future<Output = ()> + Send + 'static,
@@ -279,22 +343,33 @@ async fn start_ambient(
     };
     tokio::spawn(reconciler.run(rx, tx, restored_tx));
 
-    let listener = PeerCheckedListener::bind(
-        &run_dir.join(cni_core::cmdadd::EVENT_SOCKET),
-        cfg.allowed_peer_uids.clone(),
-    )
-    .with_context(|| format!("plugin event socket in {}", run_dir.display()))?;
     let server = Arc::new(CniServer {
-        cache: cluster,
-        mesh,
-        policy,
+        cache: cluster.clone(),
+        mesh: mesh.clone(),
+        policy: policy.clone(),
         annotator,
     });
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, crate::ambient::cni_server::router(server)).await {
-            tracing::error!(error = %e, "plugin event server stopped");
-        }
+    serve_unix(
+        &run_dir.join(cni_core::cmdadd::EVENT_SOCKET),
+        peer_uids.to_vec(),
+        crate::ambient::cni_server::router(server),
+        "plugin event",
+    )?;
+    let explainer = Arc::new(Explainer {
+        cache: cluster.clone(),
+        mesh: mesh.clone(),
+        policy,
+        zds: zds.clone(),
     });
+    serve_unix(
+        &run_dir.join(DEBUG_SOCKET),
+        peer_uids.to_vec(),
+        crate::ambient::explain::router(explainer),
+        "debug",
+    )?;
+    if let Some(every) = cfg.drift_check_interval {
+        spawn_drift_checks(cluster, mesh, every);
+    }
 
     let zds_flag = readiness.condition("zds");
     tokio::spawn(async move {

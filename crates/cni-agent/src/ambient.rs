@@ -5,6 +5,7 @@
 pub mod cluster;
 pub mod cni_server;
 pub mod config;
+pub mod explain;
 pub mod hints;
 pub mod mesh;
 pub mod node;

@@ -37,6 +37,11 @@ pub enum Command {
     Uninstall,
     /// Print the version.
     Version,
+    /// Why is (or isn't) a pod meshed: asks the running agent on this node.
+    Explain {
+        /// `<namespace>/<pod>`
+        pod: String,
+    },
     /// Program, verify or remove pod/host redirection by hand.
     Dataplane(crate::dataplane_cli::DataplaneArgs),
 }
@@ -88,6 +93,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         println!("install-cni {}", env!("CARGO_PKG_VERSION"));
         return Ok(());
     }
+    if let Some(Command::Explain { pod }) = &cli.command {
+        let (namespace, name) = pod
+            .split_once('/')
+            .ok_or_else(|| anyhow::anyhow!("expected <namespace>/<pod>, got {pod:?}"))?;
+        let socket = cli
+            .install
+            .cni_agent_run_dir
+            .join(crate::agent::DEBUG_SOCKET);
+        let e = crate::ambient::explain::query(&socket, namespace, name).await?;
+        print!("{e}");
+        return Ok(());
+    }
     let cfg = InstallConfig::from_args(&cli.install, &cli.log)?;
     if cli.command.is_none() {
         return run_agent(cli, cfg).await;
@@ -125,6 +142,7 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
             .ok()
             .filter(|p| *p > 0)
             .map(|p| std::net::SocketAddr::from(([0, 0, 0, 0], p))),
+        peer_uids: a.allowed_peer_uids.clone(),
     };
     let ambient = if cli.install.ambient_enabled {
         // Istio's Helm chart always sets the selectors; an unset variable means Istio's default

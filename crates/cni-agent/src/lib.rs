@@ -8,10 +8,12 @@ pub mod dataplane_cli;
 pub mod hostfs;
 pub mod http;
 pub mod install;
+pub mod logsock;
 pub mod metrics;
 pub mod netns_cache;
 pub mod procfs;
 pub mod repair;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod uds;
 pub mod zds;

@@ -62,6 +62,8 @@ pub struct Metrics {
     pub zds_ack_seconds: Histogram,
     /// Informer event seen → pod enrolled and annotated.
     pub event_to_enrolled_seconds: Histogram,
+    /// Enrolled pods whose rules were found drifted (changed, removed) and re-applied.
+    pub drift_repairs: Family<BackendLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -83,6 +85,7 @@ impl Metrics {
             rule_apply_seconds: Family::new_with_constructor(latency_histogram),
             zds_ack_seconds: latency_histogram(),
             event_to_enrolled_seconds: latency_histogram(),
+            drift_repairs: Family::default(),
         };
         registry.register(
             "istio_cni_installs",
@@ -138,6 +141,11 @@ impl Metrics {
             "istio_cni_event_to_enrolled_duration_seconds",
             "Pod event seen to pod enrolled and annotated",
             m.event_to_enrolled_seconds.clone(),
+        );
+        registry.register(
+            "istio_cni_drift_repairs",
+            "Enrolled pods whose drifted rules were re-applied",
+            m.drift_repairs.clone(),
         );
         m
     }

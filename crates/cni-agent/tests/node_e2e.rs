@@ -167,3 +167,180 @@ async fn agent_down_fails_closed_for_ambient_pods_only() {
     let (_, plain) = node.create_pod("plain", "starts", &[]).await;
     plain.expect("a non-mesh pod starts while the agent is down");
 }
+
+fn fast_peer(node: &TestNode) -> ZdsPeer {
+    let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
+    cfg.max_backoff = Duration::from_millis(200);
+    ZdsPeer::start(cfg)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_crash_and_restart_keeps_pods_redirected() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Iptables).await;
+    let peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let (pod, result) = node.create_pod("mesh", "survivor", &[]).await;
+    result.unwrap();
+    node.wait_redirection(&pod, Some("enabled")).await;
+    let connects = peer.status().connects;
+
+    node.kill_agent();
+    // Rules stay in the pod while the agent is gone: traffic keeps flowing through ztunnel.
+    assert!(iptables_rules(&pod.netns).contains("ISTIO_OUTPUT"));
+    node.start_agent();
+    node.wait_ready().await;
+
+    // The restarted agent found the pod's namespace again and handed it over in the snapshot
+    // (an Add with the same namespace, not a Keep).
+    let st = peer
+        .wait_for("reconnect with snapshot", Duration::from_secs(15), |s| {
+            s.connects > connects && s.snapshot_received && s.workloads.contains_key(&pod.uid)
+        })
+        .await
+        .unwrap();
+    assert_eq!(st.workloads[&pod.uid].netns(), pod.netns.open().id());
+    assert!(
+        st.log
+            .iter()
+            .rev()
+            .any(|e| e == &format!("add {}", pod.uid)),
+        "{:?}",
+        st.log
+    );
+    assert_eq!(node.redirection(&pod).await.as_deref(), Some("enabled"));
+    let (ok, text) = node.explain(&pod);
+    assert!(ok && text.contains("meshed:      yes"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_ztunnel_gets_the_snapshot() {
+    dataplane::require_root!();
+    let node = TestNode::start(Backend::Nftables).await;
+    let first = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let (pod, result) = node.create_pod("mesh", "app", &[]).await;
+    result.unwrap();
+    wait_peer_has(&first, &pod.uid, true).await;
+    drop(first);
+
+    let second = fast_peer(&node);
+    let st = second
+        .wait_for("snapshot", Duration::from_secs(10), |s| s.snapshot_received)
+        .await
+        .unwrap();
+    assert_eq!(
+        st.workloads[&pod.uid].netns(),
+        pod.netns.open().id(),
+        "{st:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drifted_rules_are_repaired_and_explained() {
+    dataplane::require_root!();
+    let node = TestNode::start(Backend::Iptables).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    node.create_namespace("plain", &[]).await;
+    let (pod, result) = node.create_pod("mesh", "tampered", &[]).await;
+    result.unwrap();
+    let before = iptables_rules(&pod.netns);
+
+    // Someone flushes the pod's nat table: outbound traffic would now bypass ztunnel.
+    for variant in ["iptables-legacy", "iptables-nft"] {
+        // Only the variant the agent uses has the chain; the other one fails, which is fine.
+        let _ = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &pod.netns.name,
+                variant,
+                "-t",
+                "nat",
+                "-F",
+                "ISTIO_OUTPUT",
+            ])
+            .output();
+    }
+    assert!(!iptables_rules(&pod.netns).contains("--to-ports 15001"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !iptables_rules(&pod.netns).contains("--to-ports 15001") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "drift not repaired:\n{}",
+            node.agent_log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        iptables_rules(&pod.netns).matches("ISTIO_OUTPUT").count(),
+        before.matches("ISTIO_OUTPUT").count()
+    );
+    assert!(
+        node.metrics()
+            .contains("istio_cni_drift_repairs_total{backend=\"iptables\"} 1"),
+        "{}",
+        node.metrics()
+    );
+
+    let (plain, result) = node.create_pod("plain", "web", &[]).await;
+    result.unwrap();
+    let (ok, text) = node.explain(&plain);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("meshed:      NO") && text.contains("no ambient enablement selector matches"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Iptables).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("istio-system", &[]).await;
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    node.create_namespace("plain", &[]).await;
+    let ds: k8s_openapi::api::apps::v1::DaemonSet = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "istio-cni-node"},
+        "spec": {"selector": {"matchLabels": {"k8s-app": "istio-cni-node"}},
+                 "template": {"metadata": {"labels": {"k8s-app": "istio-cni-node"}},
+                              "spec": {"containers": [{"name": "install-cni", "image": "install-cni"}]}}}
+    }))
+    .unwrap();
+    let dss = kube::Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(
+        node.kube.client(),
+        "istio-system",
+    );
+    dss.create(&Default::default(), &ds).await.unwrap();
+
+    // Upgrade: the DaemonSet still exists, so the plugin and its config entry stay.
+    assert!(node.stop_agent().success(), "{}", node.agent_log());
+    assert!(
+        node.conflist().contains("istio-cni"),
+        "plugin entry removed on upgrade"
+    );
+    assert!(node.path("bin/istio-cni").exists());
+    let (_, ambient) = node.create_pod("mesh", "during-upgrade", &[]).await;
+    assert!(ambient.is_err(), "ambient pods must wait for the new agent");
+    let (_, plain) = node.create_pod("plain", "during-upgrade", &[]).await;
+    plain.expect("non-mesh pods keep starting during an upgrade");
+
+    node.start_agent();
+    node.wait_ready().await;
+    let (pod, ambient) = node.create_pod("mesh", "after-upgrade", &[]).await;
+    ambient.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    node.wait_redirection(&pod, Some("enabled")).await;
+
+    // Uninstall: the DaemonSet is gone, so everything is removed.
+    dss.delete("istio-cni-node", &Default::default())
+        .await
+        .unwrap();
+    assert!(node.stop_agent().success());
+    assert!(
+        !node.conflist().contains("istio-cni"),
+        "plugin entry left after uninstall"
+    );
+    assert!(!node.path("bin/istio-cni").exists());
+}

@@ -90,6 +90,14 @@ pub struct AmbientArgs {
     /// `legacy` or `nft`: force the iptables variant instead of detecting it.
     #[arg(long, env = "FORCE_IPTABLES_BINARY", global = true)]
     pub force_iptables_binary: Option<String>,
+    /// Seconds between checks of enrolled pods' rules against the kernel (drift repair); 0 disables.
+    #[arg(
+        long,
+        env = "DRIFT_CHECK_INTERVAL_SECONDS",
+        default_value = "30",
+        global = true
+    )]
+    pub drift_check_interval_seconds: u64,
     /// UIDs allowed to connect to the plugin and ZDS sockets (`SO_PEERCRED`).
     #[arg(
         long,
@@ -118,6 +126,7 @@ pub struct AmbientConfig {
     pub host_netns: Option<PathBuf>,
     pub force_iptables_binary: Option<String>,
     pub allowed_peer_uids: Vec<u32>,
+    pub drift_check_interval: Option<std::time::Duration>,
     pub selectors: CompiledSelectors,
     pub exclude_namespaces: BTreeSet<String>,
 }
@@ -179,6 +188,8 @@ impl AmbientConfig {
             host_netns: a.host_netns.clone().filter(|p| !p.as_os_str().is_empty()),
             force_iptables_binary: a.force_iptables_binary.clone().filter(|f| !f.is_empty()),
             allowed_peer_uids: a.allowed_peer_uids.clone(),
+            drift_check_interval: (a.drift_check_interval_seconds > 0)
+                .then(|| std::time::Duration::from_secs(a.drift_check_interval_seconds)),
             selectors,
             exclude_namespaces: exclude.into_iter().collect(),
         })

@@ -427,14 +427,30 @@ impl Mesh {
             found = found.len(),
             "restored enrolled pods"
         );
+        let mut restored = Vec::new();
         for (uid, netns) in found {
-            let Some((pod, w)) = wanted.get(&uid) else {
+            if let Some((pod, w)) = wanted.get(&uid) {
+                self.cache.upsert(&uid, w.workload.clone(), netns);
+                restored.push(pod.clone());
+            }
+        }
+        if reconcile {
+            self.repair_drift(&restored).await;
+        }
+    }
+
+    /// Verifies the rules of every enrolled pod the agent holds a namespace for and re-applies
+    /// them where they drifted (someone flushed a table, a rule was deleted or added). Returns how
+    /// many pods were repaired.
+    pub async fn repair_drift(&self, pods: &[Arc<Pod>]) -> usize {
+        let mut repaired = 0;
+        for pod in pods {
+            let Some(uid) = pod.metadata.uid.as_deref() else {
                 continue;
             };
-            let netns = self.cache.upsert(&uid, w.workload.clone(), netns);
-            if !reconcile {
+            let Some(netns) = self.cache.get(uid).and_then(|e| e.netns) else {
                 continue;
-            }
+            };
             let Ok(cfg) = self.pod_config(pod) else {
                 continue;
             };
@@ -447,12 +463,20 @@ impl Mesh {
             .unwrap_or_else(|e| Err(e.to_string().into()));
             match result {
                 Ok(None) => {}
-                Ok(Some(was)) => tracing::warn!(pod = %name(pod), ?was, "repaired in-pod rules"),
+                Ok(Some(was)) => {
+                    repaired += 1;
+                    let label = BackendLabel {
+                        backend: self.rules.backend().to_string(),
+                    };
+                    self.metrics.drift_repairs.get_or_create(&label).inc();
+                    tracing::warn!(pod = %name(pod), ?was, "in-pod rules drifted; re-applied");
+                }
                 Err(e) => {
-                    tracing::error!(pod = %name(pod), error = %e, "cannot repair in-pod rules; try restarting the pod")
+                    tracing::error!(pod = %name(pod), error = %e, "cannot check or repair in-pod rules")
                 }
             }
         }
+        repaired
     }
 }
 

@@ -40,6 +40,15 @@ pub enum Backend {
     Nftables,
 }
 
+/// Whose token the agent (and the plugin, through the kubeconfig the installer writes) uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Identity {
+    /// Cluster admin: RBAC out of the way.
+    Admin,
+    /// The `istio-cni` ServiceAccount bound to exactly the RBAC of the shipped ambient manifest.
+    ShippedRbac,
+}
+
 /// Debian's reference plugins.
 const DEBIAN_CNI: &str = "/usr/lib/cni";
 const POD_CIDR: &str = "10.88.0.0/24";
@@ -107,7 +116,15 @@ pub struct TestPod {
 
 impl TestNode {
     pub async fn start(backend: Backend) -> TestNode {
+        Self::start_as(backend, Identity::Admin).await
+    }
+
+    pub async fn start_as(backend: Backend, identity: Identity) -> TestNode {
         let kube = KubeTestEnv::start().await;
+        let token = match identity {
+            Identity::Admin => kube.admin_token().to_string(),
+            Identity::ShippedRbac => super::manifests::install_shipped_rbac(&kube).await,
+        };
         let dir = tempfile::Builder::new()
             .prefix("test-node")
             .tempdir()
@@ -124,9 +141,9 @@ impl TestNode {
             .unwrap();
         }
         std::fs::copy(binary_dir().join("istio-cni"), d.join("src-bin/istio-cni")).unwrap();
-        std::fs::write(d.join("sa/token"), kube.admin_token()).unwrap();
+        std::fs::write(d.join("sa/token"), &token).unwrap();
         std::fs::write(d.join("sa/ca.crt"), kube.ca_pem()).unwrap();
-        kube.write_kubeconfig(&d.join("kubeconfig"), kube.admin_token());
+        kube.write_kubeconfig(&d.join("kubeconfig"), &token);
         let conflist = json!({
             "cniVersion": "1.0.0",
             "name": "e2e",
@@ -203,6 +220,7 @@ impl TestNode {
             ("MONITORING_PORT", self.metrics_port.to_string()),
             ("POD_NAMESPACE", "istio-system".into()),
             ("EXCLUDE_NAMESPACES", "kube-system".into()),
+            ("DRIFT_CHECK_INTERVAL_SECONDS", "1".into()),
         ];
         env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }
@@ -367,12 +385,13 @@ impl TestNode {
             .unwrap();
         let uid = created.metadata.uid.clone().unwrap();
         let mut test_pod = TestPod {
+            // Unique per pod object, as a runtime's sandbox IDs are.
+            container_id: uid.replace('-', ""),
             namespace: namespace.into(),
             name: name.into(),
             uid,
             netns: TestNetns::new("pod"),
             ip: None,
-            container_id: format!("{:0>32}", name.replace('-', "")),
         };
         let result = self.sandbox_add(&mut test_pod).await;
         (test_pod, result)
@@ -414,6 +433,21 @@ impl TestNode {
                 .unwrap();
         }
         result
+    }
+
+    /// `install-cni explain <ns>/<pod>` against the running agent: (exit success, stdout + stderr).
+    pub fn explain(&self, pod: &TestPod) -> (bool, String) {
+        let out = Command::new(binary_dir().join("install-cni"))
+            .args(["explain", &format!("{}/{}", pod.namespace, pod.name)])
+            .env("CNI_AGENT_RUN_DIR", self.path("run"))
+            .output()
+            .expect("run install-cni explain");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
     }
 
     /// The pod's `ambient.istio.io/redirection` annotation.
