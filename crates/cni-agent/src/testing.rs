@@ -3,6 +3,7 @@
 
 pub mod cni_runtime;
 pub mod kube;
+pub mod manifests;
 pub mod node;
 pub mod pod_proxy;
 pub mod zds_peer;

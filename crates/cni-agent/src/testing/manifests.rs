@@ -1,0 +1,105 @@
+//! The shipped manifests (`deploy/manifests/*.yaml`, rendered from the Helm chart) applied to a
+//! test API server the way `kubectl apply --server-side` applies them: each document's kind is
+//! resolved through discovery, unknown fields are rejected.
+
+use std::path::PathBuf;
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
+use kube::discovery::Scope;
+use serde::Deserialize;
+
+use super::kube::KubeTestEnv;
+
+/// Namespace the manifests are rendered for.
+pub const NAMESPACE: &str = "istio-system";
+/// The agent's ServiceAccount in the manifests.
+pub const SERVICE_ACCOUNT: &str = "istio-cni";
+
+/// A file of the repository (e.g. `deploy/manifests/istio-cni-ambient.yaml`).
+pub fn repo_file(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel)
+}
+
+/// The documents of a multi-document YAML stream; empty documents are skipped.
+pub fn documents(yaml: &str) -> Vec<DynamicObject> {
+    serde_yaml::Deserializer::from_str(yaml)
+        .map(|doc| serde_json::Value::deserialize(doc).expect("manifest is YAML"))
+        .filter(|v| !v.is_null())
+        .map(|v| serde_json::from_value(v).expect("manifest document is a Kubernetes object"))
+        .collect()
+}
+
+/// Reads a file of `deploy/manifests/`.
+pub fn shipped(name: &str) -> Vec<DynamicObject> {
+    let path = repo_file(&format!("deploy/manifests/{name}"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/render-manifests)", path.display()));
+    documents(&text)
+}
+
+pub fn kind(obj: &DynamicObject) -> &str {
+    obj.types.as_ref().map(|t| t.kind.as_str()).unwrap_or("")
+}
+
+/// Server-side apply of one object (a dry run when `dry_run`: validated and admitted, not stored).
+pub async fn apply(
+    client: &kube::Client,
+    obj: &DynamicObject,
+    dry_run: bool,
+) -> Result<DynamicObject, kube::Error> {
+    let types = obj.types.as_ref().expect("object has apiVersion and kind");
+    let gvk = GroupVersionKind::try_from(types).expect("valid apiVersion");
+    let (resource, caps) = kube::discovery::pinned_kind(client, &gvk).await?;
+    let api: Api<DynamicObject> = match caps.scope {
+        Scope::Namespaced => Api::namespaced_with(
+            client.clone(),
+            obj.metadata.namespace.as_deref().unwrap_or("default"),
+            &resource,
+        ),
+        Scope::Cluster => Api::all_with(client.clone(), &resource),
+    };
+    let mut params = PatchParams::apply("istio-cni-rs-tests")
+        .force()
+        .validation_strict();
+    if dry_run {
+        params = params.dry_run();
+    }
+    let name = obj.metadata.name.as_deref().expect("object has a name");
+    api.patch(name, &params, &Patch::Apply(obj)).await
+}
+
+pub async fn ensure_namespace(client: &kube::Client, name: &str) {
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).expect("namespace");
+    match Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => panic!("create namespace {name}: {e}"),
+    }
+}
+
+/// Installs the ServiceAccount, ClusterRoles and ClusterRoleBindings of the ambient manifest and
+/// returns a token of that ServiceAccount: whoever uses it has exactly the shipped rights.
+pub async fn install_shipped_rbac(kube: &KubeTestEnv) -> String {
+    let admin = kube.client();
+    ensure_namespace(&admin, NAMESPACE).await;
+    for obj in shipped("istio-cni-ambient.yaml") {
+        if matches!(
+            kind(&obj),
+            "ServiceAccount" | "ClusterRole" | "ClusterRoleBinding"
+        ) {
+            apply(&admin, &obj, false)
+                .await
+                .unwrap_or_else(|e| panic!("apply {} {:?}: {e}", kind(&obj), obj.metadata.name));
+        }
+    }
+    kube.service_account_client(NAMESPACE, SERVICE_ACCOUNT)
+        .await
+        .1
+}

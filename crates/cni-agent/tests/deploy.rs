@@ -1,0 +1,523 @@
+//! The shipped deployment against a real kube-apiserver: every rendered manifest (and the chart
+//! rendered with every platform profile) passes server-side dry-run apply, and the ambient RBAC is
+//! both sufficient (the real agent runs a whole enrollment cycle with exactly that RBAC) and
+//! minimal (every permission is one the agent or the plugin uses; taking it away gets a 403 on
+//! that call).
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use cni_agent::testing::kube::KubeTestEnv;
+use cni_agent::testing::manifests::{self, NAMESPACE, SERVICE_ACCOUNT};
+use cni_agent::testing::node::{Backend, Identity, TestNode};
+use cni_agent::testing::zds_peer::{PeerConfig, ZdsPeer};
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams, WatchParams};
+use serde_json::{Value, json};
+
+const MANIFESTS: [&str; 2] = ["istio-cni.yaml", "istio-cni-ambient.yaml"];
+const PLATFORMS: [&str; 7] = ["", "gke", "k3d", "k3s", "microk8s", "minikube", "openshift"];
+
+/// The helm binary built from its Go module (cached; built on first use).
+fn helm() -> &'static PathBuf {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    HELM.get_or_init(|| {
+        let script = manifests::repo_file("tools/helm/build.sh");
+        let out = Command::new(&script)
+            .stderr(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+        assert!(out.status.success(), "{} failed", script.display());
+        PathBuf::from(
+            String::from_utf8(out.stdout)
+                .unwrap()
+                .lines()
+                .last()
+                .unwrap()
+                .trim(),
+        )
+    })
+}
+
+fn render(args: &[&str]) -> Vec<DynamicObject> {
+    let out = Command::new(helm())
+        .args(["template", "istio-cni"])
+        .arg(manifests::repo_file("deploy/charts/istio-cni"))
+        .args(["--namespace", NAMESPACE])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "helm template {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    manifests::documents(&String::from_utf8(out.stdout).unwrap())
+}
+
+/// OpenShift's Multus CRD, so the NetworkAttachmentDefinition the multus provider renders is
+/// checked against a schema too (Multus defines `spec.config` as a string).
+async fn install_multus_crd(client: &kube::Client) {
+    let crd: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "network-attachment-definitions.k8s.cni.cncf.io"},
+        "spec": {"group": "k8s.cni.cncf.io", "scope": "Namespaced",
+                 "names": {"plural": "network-attachment-definitions", "singular": "network-attachment-definition",
+                           "kind": "NetworkAttachmentDefinition", "shortNames": ["net-attach-def"]},
+                 "versions": [{"name": "v1", "served": true, "storage": true,
+                     "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                         "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                         "metadata": {"type": "object"},
+                         "spec": {"type": "object", "properties": {"config": {"type": "string"}}}}}}}]}
+    }))
+    .unwrap();
+    manifests::apply(client, &crd, false).await.unwrap();
+    // The new kind is served once discovery lists it.
+    for _ in 0..100 {
+        let gvk = kube::api::GroupVersionKind::gvk(
+            "k8s.cni.cncf.io",
+            "v1",
+            "NetworkAttachmentDefinition",
+        );
+        if kube::discovery::pinned_kind(client, &gvk).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("NetworkAttachmentDefinition CRD never served");
+}
+
+async fn dry_run_all(client: &kube::Client, what: &str, objs: &[DynamicObject]) -> usize {
+    assert!(!objs.is_empty(), "{what}: nothing rendered");
+    for obj in objs {
+        manifests::apply(client, obj, true)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{what}: {} {:?} rejected by the API server: {e}",
+                    manifests::kind(obj),
+                    obj.metadata.name
+                )
+            });
+    }
+    objs.len()
+}
+
+#[tokio::test]
+async fn every_rendered_manifest_passes_server_side_dry_run() {
+    let kube = KubeTestEnv::start().await;
+    let client = kube.client();
+    manifests::ensure_namespace(&client, NAMESPACE).await;
+    install_multus_crd(&client).await;
+
+    let mut checked = 0;
+    for file in MANIFESTS {
+        let objs = manifests::shipped(file);
+        let kinds: BTreeSet<&str> = objs.iter().map(manifests::kind).collect();
+        for want in [
+            "ServiceAccount",
+            "ConfigMap",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "DaemonSet",
+        ] {
+            assert!(kinds.contains(want), "{file} lacks a {want}: {kinds:?}");
+        }
+        checked += dry_run_all(&client, file, &objs).await;
+    }
+
+    // The chart beyond the two shipped renders: every platform, ambient on and off, and the
+    // optional objects and settings switched on.
+    let extras = [
+        "networkPolicy.enabled=true",
+        "resourceQuotas.enabled=true",
+        "seccompProfile.type=RuntimeDefault",
+        "global.nativeNftables=true",
+        "istioOwnedCNIConfig=true",
+        "env.EXTRA_SETTING=1",
+        "repair.labelPods=true",
+        "repair.repairPods=false",
+    ];
+    for platform in PLATFORMS {
+        for ambient in ["false", "true"] {
+            let mut args = vec![
+                "--set".to_string(),
+                format!("global.platform={platform}"),
+                "--set".to_string(),
+                format!("ambient.enabled={ambient}"),
+            ];
+            if ambient == "true" {
+                args.extend([
+                    "--set".into(),
+                    "ambient.shareHostNetworkNamespace=true".into(),
+                ]);
+            }
+            for e in extras {
+                args.extend(["--set".into(), e.into()]);
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let objs = render(&args);
+            checked += dry_run_all(&client, &format!("{args:?}"), &objs).await;
+        }
+    }
+    eprintln!("{checked} objects passed server-side dry-run");
+}
+
+#[test]
+fn platform_profiles_set_their_paths_and_user_values_win() {
+    let ds = |args: &[&str]| -> Value {
+        let obj = render(args)
+            .into_iter()
+            .find(|o| manifests::kind(o) == "DaemonSet")
+            .expect("a DaemonSet");
+        serde_json::to_value(obj).unwrap()
+    };
+    let host_path = |ds: &Value, volume: &str| -> String {
+        ds["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == volume)
+            .map(|v| v["hostPath"]["path"].as_str().unwrap().to_string())
+            .unwrap_or_default()
+    };
+    let d = ds(&["--set", "global.platform=k3s"]);
+    assert_eq!(
+        host_path(&d, "cni-net-dir"),
+        "/var/lib/rancher/k3s/agent/etc/cni/net.d"
+    );
+    assert_eq!(
+        host_path(&d, "cni-bin-dir"),
+        "/var/lib/rancher/k3s/data/cni"
+    );
+    let d = ds(&[
+        "--set",
+        "global.platform=gke",
+        "--set",
+        "cniBinDir=/custom/bin",
+    ]);
+    assert_eq!(host_path(&d, "cni-bin-dir"), "/custom/bin");
+    let d = ds(&[
+        "--set",
+        "global.platform=minikube",
+        "--set",
+        "ambient.enabled=true",
+    ]);
+    assert_eq!(host_path(&d, "cni-netns-dir"), "/var/run/docker/netns");
+
+    // `false` from the user beats a profile's or default's `true` (openshift sets chained=false;
+    // here the user turns it back on, and turns DNS capture off).
+    let cm = render(&[
+        "--set",
+        "global.platform=openshift",
+        "--set",
+        "chained=true",
+        "--set",
+        "ambient.dnsCapture=false",
+    ])
+    .into_iter()
+    .find(|o| manifests::kind(o) == "ConfigMap")
+    .unwrap();
+    assert_eq!(cm.data["data"]["CHAINED_CNI_PLUGIN"], "true");
+    assert_eq!(cm.data["data"]["AMBIENT_DNS_CAPTURE"], "false");
+    assert_eq!(cm.data["data"]["CNI_CONF_NAME"], "istio-cni.conf");
+
+    let out = Command::new(helm())
+        .args(["template", "x"])
+        .arg(manifests::repo_file("deploy/charts/istio-cni"))
+        .args(["--set", "global.platform=plan9"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown global.platform"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One permission: (API group, resource, verb), as RBAC evaluates a request.
+type Permission = (String, String, String);
+
+/// The rules of the shipped agent ClusterRoles (not the repair controller's), one permission each.
+fn shipped_permissions() -> BTreeSet<Permission> {
+    let mut out = BTreeSet::new();
+    for obj in manifests::shipped("istio-cni-ambient.yaml") {
+        let name = obj.metadata.name.as_deref().unwrap_or("");
+        if manifests::kind(&obj) != "ClusterRole"
+            || !["istio-cni", "istio-cni-ambient"].contains(&name)
+        {
+            continue;
+        }
+        for rule in obj.data["rules"].as_array().unwrap() {
+            let list = |k: &str| -> Vec<String> {
+                rule[k]
+                    .as_array()
+                    .map(|a| a.iter().map(|v| v.as_str().unwrap().to_string()).collect())
+                    .unwrap_or_default()
+            };
+            for g in list("apiGroups") {
+                for r in list("resources") {
+                    for v in list("verbs") {
+                        out.insert((g.clone(), r.clone(), v.clone()));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The same rule set without one permission, as a ClusterRole (resourceNames kept).
+fn role_without(name: &str, drop: Option<&Permission>) -> Value {
+    let mut rules = Vec::new();
+    for (g, r, v) in shipped_permissions() {
+        if Some(&(g.clone(), r.clone(), v.clone())) == drop {
+            continue;
+        }
+        let mut rule = json!({"apiGroups": [g], "resources": [r], "verbs": [v]});
+        if r == "daemonsets" {
+            rule["resourceNames"] = json!(["istio-cni-node"]);
+        }
+        rules.push(rule);
+    }
+    json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+           "metadata": {"name": name}, "rules": rules})
+}
+
+const NODE: &str = "node-a";
+const POD_NS: &str = "probe";
+const POD: &str = "app";
+
+/// The call behind each permission, made the way the agent (or the plugin) makes it. Ok(()) when
+/// the API server let it through.
+async fn call(client: &kube::Client, p: &Permission) -> Result<(), kube::Error> {
+    let pods_here = || Api::<Pod>::all(client.clone());
+    let on_node = format!("spec.nodeName={NODE}");
+    match (p.0.as_str(), p.1.as_str(), p.2.as_str()) {
+        // Plugin ADD and the agent's fallback when the watch has not seen the pod yet.
+        ("", "pods", "get") => Api::<Pod>::namespaced(client.clone(), POD_NS)
+            .get(POD)
+            .await
+            .map(drop),
+        ("", "namespaces", "get") => Api::<Namespace>::all(client.clone())
+            .get_metadata(POD_NS)
+            .await
+            .map(drop),
+        // The node-scoped pod watch (list, then watch).
+        ("", "pods", "list") => pods_here()
+            .list(&ListParams::default().fields(&on_node))
+            .await
+            .map(drop),
+        ("", "pods", "watch") => {
+            let wp = WatchParams::default().fields(&on_node).timeout(1);
+            let mut stream = pods_here().watch(&wp, "0").await?.boxed();
+            match stream.next().await {
+                Some(Err(e)) => Err(e),
+                _ => Ok(()),
+            }
+        }
+        // The namespace label watch (metadata only).
+        ("", "namespaces", "list") => Api::<Namespace>::all(client.clone())
+            .list_metadata(&ListParams::default())
+            .await
+            .map(drop),
+        ("", "namespaces", "watch") => {
+            let wp = WatchParams::default().timeout(1);
+            let mut stream = Api::<Namespace>::all(client.clone())
+                .watch_metadata(&wp, "0")
+                .await?
+                .boxed();
+            match stream.next().await {
+                Some(Err(e)) => Err(e),
+                _ => Ok(()),
+            }
+        }
+        // The redirection annotation.
+        ("", "pods/status", "patch") => {
+            let patch =
+                json!({"metadata": {"annotations": {"ambient.istio.io/redirection": "enabled"}}});
+            Api::<Pod>::namespaced(client.clone(), POD_NS)
+                .patch_status(POD, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(drop)
+        }
+        // Shutdown: upgrade or uninstall?
+        ("apps", "daemonsets", "get") => Api::<DaemonSet>::namespaced(client.clone(), NAMESPACE)
+            .get("istio-cni-node")
+            .await
+            .map(drop),
+        ("", "nodes", "get") => Api::<Node>::all(client.clone()).get(NODE).await.map(drop),
+        other => panic!(
+            "ClusterRole grants {other:?}, which neither the agent nor the plugin uses: remove it \
+             from deploy/charts/istio-cni/templates/clusterrole.yaml (or add the call here)"
+        ),
+    }
+}
+
+fn is_forbidden(r: &Result<(), kube::Error>) -> bool {
+    matches!(r, Err(kube::Error::Api(s)) if s.code == 403)
+}
+
+#[tokio::test]
+async fn ambient_rbac_is_minimal_each_permission_backs_a_call() {
+    let kube = KubeTestEnv::start().await;
+    let admin = kube.client();
+    manifests::install_shipped_rbac(&kube).await;
+    // Objects for the calls to find (so a success is a 200, not a 404).
+    for obj in manifests::shipped("istio-cni-ambient.yaml") {
+        if manifests::kind(&obj) == "DaemonSet" {
+            manifests::apply(&admin, &obj, false).await.unwrap();
+        }
+    }
+    manifests::ensure_namespace(&admin, POD_NS).await;
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": NODE}})).unwrap();
+    Api::<Node>::all(admin.clone())
+        .create(&PostParams::default(), &node)
+        .await
+        .unwrap();
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": POD},
+        "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "i"}]}
+    }))
+    .unwrap();
+    Api::<Pod>::namespaced(admin.clone(), POD_NS)
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+
+    let perms = shipped_permissions();
+    assert!(perms.len() >= 9, "shipped rules: {perms:?}");
+    let (full, _) = kube
+        .service_account_client(NAMESPACE, SERVICE_ACCOUNT)
+        .await;
+    for p in &perms {
+        // Also fails (in `call`) for a granted permission no call needs.
+        call(&full, p)
+            .await
+            .unwrap_or_else(|e| panic!("{p:?} with the shipped RBAC: {e}"));
+    }
+
+    let roles = Api::<DynamicObject>::all_with(
+        admin.clone(),
+        &kube::api::ApiResource::erase::<k8s_openapi::api::rbac::v1::ClusterRole>(&()),
+    );
+    let bindings = Api::<DynamicObject>::all_with(
+        admin.clone(),
+        &kube::api::ApiResource::erase::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>(&()),
+    );
+    for (i, p) in perms.iter().enumerate() {
+        let name = format!("without-{i}");
+        let role: DynamicObject = serde_json::from_value(role_without(&name, Some(p))).unwrap();
+        roles.create(&PostParams::default(), &role).await.unwrap();
+        let binding: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}]
+        }))
+        .unwrap();
+        bindings
+            .create(&PostParams::default(), &binding)
+            .await
+            .unwrap();
+        let (reduced, _) = kube.service_account_client(NAMESPACE, &name).await;
+        // RBAC changes reach the authorizer through its informer: wait for the grant to show.
+        let others: Vec<&Permission> = perms.iter().filter(|o| *o != p).collect();
+        let probe = others[0];
+        let mut ready = false;
+        for _ in 0..100 {
+            if call(&reduced, probe).await.is_ok() {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(ready, "{name}: binding never took effect");
+        let r = call(&reduced, p).await;
+        assert!(
+            is_forbidden(&r),
+            "{p:?} still allowed without its rule: {r:?}"
+        );
+    }
+}
+
+/// Every pod watch/patch/lookup of a whole enrollment cycle, done by the real agent (and plugin)
+/// with a ServiceAccount token bound to exactly the shipped ClusterRoles, then a shutdown that
+/// must read the DaemonSet and the Node to recognise an upgrade.
+#[tokio::test]
+async fn ambient_rbac_is_sufficient_for_an_enrollment_cycle() {
+    dataplane::require_root!();
+    let mut node = TestNode::start_as(Backend::Iptables, Identity::ShippedRbac).await;
+    let peer = ZdsPeer::start(PeerConfig::new(node.path("zt/ztunnel.sock")));
+    peer.wait_for("snapshot", Duration::from_secs(10), |s| s.snapshot_received)
+        .await
+        .unwrap();
+
+    node.create_namespace("mesh", &[("istio.io/dataplane-mode", "ambient")])
+        .await;
+    let (pod, result) = node.create_pod("mesh", "app-1", &[]).await;
+    result.unwrap_or_else(|e| panic!("ambient ADD failed: {e}\n{}", node.agent_log()));
+    node.wait_redirection(&pod, Some("enabled")).await;
+    assert!(peer.status().workloads.contains_key(&pod.uid));
+
+    // Namespace label removed → the namespace watch drives the pod out, annotation removed.
+    node.label_namespace("mesh", "istio.io/dataplane-mode", None)
+        .await;
+    node.wait_redirection(&pod, None).await;
+    peer.wait_for("pod removed", Duration::from_secs(15), |s| {
+        !s.workloads.contains_key(&pod.uid)
+    })
+    .await
+    .unwrap();
+
+    // Re-enrolled through the watch alone (no CNI ADD): the informer path.
+    node.label_pod(&pod, "istio.io/dataplane-mode", Some("ambient"))
+        .await;
+    node.wait_redirection(&pod, Some("enabled")).await;
+    node.delete_pod(&pod).await;
+    peer.wait_for("pod deleted", Duration::from_secs(15), |s| {
+        !s.workloads.contains_key(&pod.uid)
+    })
+    .await
+    .unwrap();
+
+    // The shipped DaemonSet, pinned to this node by affinity: shutdown must GET both to decide
+    // this is an upgrade and leave the plugin chained (a 403 on either would mean uninstall).
+    let admin = node.kube.client();
+    let mut ds = manifests::shipped("istio-cni-ambient.yaml")
+        .into_iter()
+        .find(|o| manifests::kind(o) == "DaemonSet")
+        .unwrap();
+    ds.data["spec"]["template"]["spec"]["affinity"] = json!({"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "istio-cni-rs/test-node", "operator": "In", "values": ["yes"]}]}]}}});
+    manifests::apply(&admin, &ds, false).await.unwrap();
+    let k8s_node: Node = serde_json::from_value(json!({"metadata": {
+        "name": node.node_name, "labels": {"istio-cni-rs/test-node": "yes"}}}))
+    .unwrap();
+    Api::<Node>::all(admin.clone())
+        .create(&PostParams::default(), &k8s_node)
+        .await
+        .unwrap();
+    let status = node.stop_agent();
+    assert!(
+        status.success(),
+        "agent exit {status}\n{}",
+        node.agent_log()
+    );
+    let log = node.agent_log();
+    assert!(
+        node.conflist().contains("istio-cni"),
+        "shutdown did not recognise the upgrade (plugin unchained):\n{log}"
+    );
+    let full_log = std::fs::read_to_string(node.path("agent.log")).unwrap_or_default();
+    for bad in ["forbidden", "Forbidden"] {
+        assert!(!full_log.contains(bad), "agent hit {bad}:\n{log}");
+    }
+}
