@@ -7,6 +7,7 @@ pub mod config;
 pub mod controller;
 pub mod events;
 pub mod filter;
+pub mod netns;
 
 pub use config::{RepairAction, RepairArgs, RepairConfig};
 pub use controller::RepairController;
