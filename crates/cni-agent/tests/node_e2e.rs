@@ -344,3 +344,44 @@ async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
     );
     assert!(!node.path("bin/istio-cni").exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn app_traffic_goes_through_the_ztunnel_listeners() {
+    dataplane::require_root!();
+    use cni_agent::testing::node::{app_request, serve_hello};
+    let node = TestNode::start(Backend::Nftables).await;
+    let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
+    cfg.proxies = Some(std::sync::Arc::new(
+        cni_agent::testing::zds_peer::PodProxies,
+    ));
+    let peer = ZdsPeer::start(cfg);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let (client, r) = node.create_pod("mesh", "client", &[]).await;
+    r.unwrap();
+    let (server, r) = node.create_pod("mesh", "server", &[]).await;
+    r.unwrap();
+    serve_hello(&server, 8080);
+
+    let answer =
+        app_request(&client, &server, 8080).unwrap_or_else(|e| panic!("request failed: {e}"));
+    assert_eq!(answer, "hello from server\n");
+    let st = peer.status();
+    assert_eq!(
+        st.workloads[&client.uid].connections, 1,
+        "client's outbound did not pass its 15001: {st:#?}"
+    );
+    assert_eq!(
+        st.workloads[&server.uid].connections, 1,
+        "server's inbound did not pass its 15006: {st:#?}"
+    );
+
+    // Out of the mesh: the same request now goes direct.
+    node.label_namespace("mesh", AMBIENT.0, None).await;
+    node.wait_redirection(&client, None).await;
+    node.wait_redirection(&server, None).await;
+    assert_eq!(
+        app_request(&client, &server, 8080).unwrap(),
+        "hello from server\n"
+    );
+    assert!(peer.status().workloads.is_empty(), "{:#?}", peer.status());
+}

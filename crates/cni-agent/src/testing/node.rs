@@ -485,6 +485,42 @@ impl TestNode {
     }
 }
 
+/// An application in a pod: answers every TCP connection on `port` with `hello from <pod>` and
+/// closes it. Runs until the pod's namespace goes away.
+pub fn serve_hello(pod: &TestPod, port: u16) {
+    let listener = pod
+        .netns
+        .open()
+        .run(|| std::net::TcpListener::bind(("0.0.0.0", port)))
+        .unwrap()
+        .expect("app listener in the pod");
+    let name = pod.name.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut c) = conn else { return };
+            use std::io::Write;
+            let _ = writeln!(c, "hello from {name}");
+        }
+    });
+}
+
+/// The application in `from` connects to `to`'s IP on `port` (the socket is made inside `from`'s
+/// namespace, so the pod's own rules apply) and returns what it reads.
+pub fn app_request(from: &TestPod, to: &TestPod, port: u16) -> std::io::Result<String> {
+    let dst = std::net::SocketAddr::new(to.ip.expect("target pod has an IP"), port);
+    from.netns
+        .open()
+        .run(move || {
+            use std::io::Read;
+            let mut s = std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5))?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            let mut out = String::new();
+            s.read_to_string(&mut out)?;
+            Ok(out)
+        })
+        .map_err(std::io::Error::other)?
+}
+
 fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
