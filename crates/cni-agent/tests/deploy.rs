@@ -521,3 +521,196 @@ async fn ambient_rbac_is_sufficient_for_an_enrollment_cycle() {
         assert!(!full_log.contains(bad), "agent hit {bad}:\n{log}");
     }
 }
+
+/// The container's environment as the kubelet would build it from the rendered DaemonSet:
+/// `envFrom` the ConfigMap, then `env` (literal values, and the downward-API fields filled in).
+fn container_env(
+    objs: &[DynamicObject],
+) -> (
+    Vec<String>,
+    std::collections::HashMap<String, String>,
+    Value,
+) {
+    let cm = objs
+        .iter()
+        .find(|o| manifests::kind(o) == "ConfigMap")
+        .unwrap();
+    let ds = objs
+        .iter()
+        .find(|o| manifests::kind(o) == "DaemonSet")
+        .unwrap();
+    let container = ds.data["spec"]["template"]["spec"]["containers"][0].clone();
+    assert_eq!(container["name"], "install-cni");
+    assert_eq!(
+        container["envFrom"][0]["configMapRef"]["name"],
+        cm.metadata.name.as_deref().unwrap()
+    );
+    let mut env: std::collections::HashMap<String, String> = cm.data["data"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+        .collect();
+    for e in container["env"].as_array().unwrap() {
+        let name = e["name"].as_str().unwrap().to_string();
+        let value = match (
+            &e["value"],
+            e["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
+        ) {
+            (Value::String(v), _) => v.clone(),
+            (_, Some("spec.nodeName")) => "node-a".into(),
+            (_, Some("metadata.name")) => "istio-cni-node-x1".into(),
+            (_, Some("metadata.namespace")) => NAMESPACE.into(),
+            other => panic!("env {name}: unexpected source {other:?}"),
+        };
+        env.insert(name, value);
+    }
+    let mut argv = vec!["install-cni".to_string()];
+    argv.extend(
+        container["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string()),
+    );
+    assert_eq!(container["command"], json!(["install-cni"]));
+    (argv, env, ds.data["spec"]["template"]["spec"].clone())
+}
+
+#[test]
+fn the_agent_accepts_the_shipped_configuration_and_mounts() {
+    use cni_agent::ambient::config::AmbientConfig;
+    use cni_agent::cli::Cli;
+    use cni_agent::config::{InstallConfig, parse_from};
+    use cni_agent::repair::RepairConfig;
+
+    let objs = manifests::shipped("istio-cni-ambient.yaml");
+    let (argv, env, pod) = container_env(&objs);
+    let cli: Cli = parse_from(&argv, &env).unwrap_or_else(|e| panic!("{argv:?} {env:?}: {e}"));
+    let install = InstallConfig::from_args(&cli.install, &cli.log).unwrap();
+    let selectors: Vec<cni_core::enroll::EnablementSelector> =
+        serde_json::from_value(install.entry.enablement_selectors.clone()).unwrap();
+    assert_eq!(selectors.len(), 2, "Istio's two default selectors");
+    let exclude = install.entry.exclude_namespaces.clone().unwrap_or_default();
+    assert_eq!(exclude, ["kube-system"]);
+    let ambient = AmbientConfig::from_args(&cli.ambient, &selectors, exclude).unwrap();
+    assert!(install.entry.ambient_enabled && ambient.inpod.redirect_dns && ambient.inpod.ipv6);
+    assert!(ambient.reconcile_on_startup && ambient.switch_to_host_ns);
+    assert_eq!(ambient.node_name, "node-a");
+    let repair = RepairConfig::from_args(&cli.repair, Some("node-a")).unwrap();
+    assert!(
+        repair.is_some(),
+        "chart default repairPods=true selects an action"
+    );
+
+    // Every path and port the agent uses is one the pod spec provides.
+    let container = &pod["containers"][0];
+    let mounts: Vec<(String, String)> = container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["mountPath"].as_str().unwrap().to_string(),
+                m["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let host_path = |volume: &str| -> String {
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == volume)
+            .and_then(|v| v["hostPath"]["path"].as_str())
+            .unwrap_or_else(|| panic!("no hostPath volume {volume}"))
+            .to_string()
+    };
+    let mounted = |path: &std::path::Path| -> (String, String) {
+        let (mount, volume) = mounts
+            .iter()
+            .filter(|(m, _)| path.starts_with(m))
+            .max_by_key(|(m, _)| m.len())
+            .unwrap_or_else(|| panic!("{} is not on any volume: {mounts:?}", path.display()));
+        (mount.clone(), host_path(volume))
+    };
+    assert_eq!(
+        mounted(&install.conf_dir),
+        ("/host/etc/cni/net.d".into(), "/etc/cni/net.d".into())
+    );
+    for bin in &install.bin_dirs {
+        assert_eq!(mounted(bin).1, "/opt/cni/bin");
+    }
+    // The run dir is the same path inside and out: the plugin config names it for the host.
+    assert_eq!(
+        mounted(&install.run_dir),
+        (
+            install.run_dir.display().to_string(),
+            install.run_dir.display().to_string()
+        )
+    );
+    let zds_dir = ambient.zds_socket.parent().unwrap();
+    assert_eq!(
+        mounted(zds_dir),
+        (zds_dir.display().to_string(), zds_dir.display().to_string())
+    );
+    assert_eq!(
+        mounted(&ambient.proc_dir),
+        ("/host/proc".into(), "/proc".into())
+    );
+    assert_eq!(
+        mounted(&ambient.host_prefix.join("var/run/netns/x")).1,
+        "/var/run/netns"
+    );
+    assert_eq!(
+        container["readinessProbe"]["httpGet"],
+        json!({"path": "/readyz", "port": ambient.health_port})
+    );
+    assert_eq!(
+        container["ports"][0]["containerPort"],
+        json!(ambient.monitoring_port.unwrap())
+    );
+    assert_eq!(pod["priorityClassName"], "system-node-critical");
+    assert_eq!(pod["serviceAccountName"], SERVICE_ACCOUNT);
+}
+
+/// The chart's repair ClusterRole is the rule set the repair controller's own tests bind
+/// (deploy/rbac/repair-clusterrole.yaml): the base rules plus the selected action's.
+#[test]
+fn chart_repair_role_matches_deploy_rbac() {
+    let rules_of = |objs: &[DynamicObject], names: &[&str]| -> BTreeSet<String> {
+        objs.iter()
+            .filter(|o| manifests::kind(o) == "ClusterRole")
+            .filter(|o| names.contains(&o.metadata.name.as_deref().unwrap_or("")))
+            .flat_map(|o| o.data["rules"].as_array().unwrap().clone())
+            .map(|r| r.to_string())
+            .collect()
+    };
+    let file = std::fs::read_to_string(manifests::repo_file("deploy/rbac/repair-clusterrole.yaml"))
+        .unwrap();
+    let reference = manifests::documents(&file);
+    let base = "istio-cni-repair-role";
+    for (values, extra) in [
+        (vec![], None),
+        (
+            vec!["repair.repairPods=false", "repair.deletePods=true"],
+            Some("istio-cni-repair-role-delete-pods"),
+        ),
+        (
+            vec!["repair.repairPods=false", "repair.labelPods=true"],
+            Some("istio-cni-repair-role-label-pods"),
+        ),
+    ] {
+        let mut args = Vec::new();
+        for v in &values {
+            args.extend(["--set", v]);
+        }
+        let rendered = render(&args);
+        let want_names: Vec<&str> = [Some(base), extra].into_iter().flatten().collect();
+        assert_eq!(
+            rules_of(&rendered, &[base]),
+            rules_of(&reference, &want_names),
+            "{values:?}"
+        );
+    }
+}
