@@ -41,12 +41,18 @@ fn config(p: &Value) -> SidecarConfig {
     }
 }
 
+/// Both renderings: Istio's iptables golden, and our nftables golden for the same pod (derived
+/// from Istio's `tools/istio-nftables` goldens; the model spells `{ 53, 15008 }` as two
+/// comparisons, host prefixes without `/32`, and resolves `insert … index` into final order).
 fn check(name: &str, p: Value) {
-    let text: String = sidecar::iptables_restore(&config(&p))
+    let cfg = config(&p);
+    let text: String = sidecar::iptables_restore(&cfg)
         .into_iter()
         .map(|(_, t)| t)
         .collect();
     assert_eq!(text, golden(name), "{name}");
+    let nft = sidecar::nft::ruleset(&cfg).render();
+    assert_eq!(nft, golden(&format!("nft/{name}")), "nft/{name}");
 }
 
 #[test]

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::iptables::{
     CHAIN_PREFIX, Family, ParseError, Rule, TablesState, inpod_rules, jump_target,
-    replace_restore_text, restore_text,
+    replace_restore_text_claiming, restore_text,
 };
 
 use self::detect::{Binaries, DetectError};
@@ -67,17 +67,51 @@ impl From<IptablesError> for RuleError {
 /// that jump into one, keyed by (table, chain).
 pub type Owned = BTreeMap<(String, String), Vec<String>>;
 
+/// Rules of builtin chains that are ours although they jump nowhere of ours (the sidecar's
+/// TPROXY marks, excluded-interface returns), keyed by (table, chain), in `-save` spelling.
+pub type Claims = BTreeMap<(String, String), Vec<String>>;
+
+/// The desired rules as this variant's `-save` prints them.
+#[derive(Debug, Default)]
+pub struct Canonical {
+    pub owned: Owned,
+    pub claims: Claims,
+}
+
 /// Extracts [`Owned`] from a parsed state.
 pub fn owned(state: &TablesState) -> Owned {
+    owned_claiming(state, &Claims::new())
+}
+
+fn is_istio_jump(rule: &str) -> bool {
+    jump_target(rule).is_some_and(|t| t.starts_with(CHAIN_PREFIX))
+}
+
+/// The builtin-chain rules of `state` that `claims` names, as `(table, chain, rule)`.
+fn claimed_in(state: &TablesState, claims: &Claims) -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    for ((table, chain), wanted) in claims {
+        for rule in state.chain(table, chain).into_iter().flatten() {
+            if wanted.contains(rule) && !is_istio_jump(rule) {
+                out.push((table.clone(), chain.clone(), rule.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// [`owned`], also counting the builtin-chain rules `claims` names.
+pub fn owned_claiming(state: &TablesState, claims: &Claims) -> Owned {
     let mut out = Owned::new();
     for (table, chains) in &state.tables {
         for (chain, rules) in chains {
             if chain.starts_with(CHAIN_PREFIX) {
                 out.insert((table.clone(), chain.clone()), rules.clone());
             } else {
+                let claimed = claims.get(&(table.clone(), chain.clone()));
                 let jumps: Vec<String> = rules
                     .iter()
-                    .filter(|r| jump_target(r).is_some_and(|t| t.starts_with(CHAIN_PREFIX)))
+                    .filter(|r| is_istio_jump(r) || claimed.is_some_and(|c| c.contains(r)))
                     .cloned()
                     .collect();
                 if !jumps.is_empty() {
@@ -146,6 +180,9 @@ pub fn compare(current: &Owned, desired: &Owned) -> RuleState {
     RuleState::Drifted(drift)
 }
 
+/// A family's parsed state, its verdict, and the claimed builtin-chain rules found in it.
+type FamilyState = (TablesState, RuleState, Vec<(String, String, String)>);
+
 /// Readies a scratch namespace before the desired rules are restored into it.
 pub type Prep<'a> = &'a dyn Fn(&Netns) -> Result<(), IptablesError>;
 
@@ -157,7 +194,7 @@ fn no_prep(_: &Netns) -> Result<(), IptablesError> {
 pub struct IptablesBackend {
     bins: Binaries,
     lock_dir: Option<PathBuf>,
-    canonical: Mutex<HashMap<(Family, String), Arc<Owned>>>,
+    canonical: Mutex<HashMap<(Family, String), Arc<Canonical>>>,
 }
 
 /// Where per-pod xtables lock files live when the variant supports them.
@@ -230,9 +267,9 @@ impl IptablesBackend {
         family: Family,
         rules: &[Rule],
         prep: Prep<'_>,
-    ) -> Result<Arc<Owned>, IptablesError> {
+    ) -> Result<Arc<Canonical>, IptablesError> {
         if rules.is_empty() {
-            return Ok(Arc::new(Owned::new()));
+            return Ok(Arc::new(Canonical::default()));
         }
         let text = restore_text(rules);
         let key = (family, text);
@@ -248,7 +285,24 @@ impl IptablesBackend {
         prep(&scratch)?;
         let runner = self.runner(&scratch, true)?;
         self.restore(&runner, family, &key.1)?;
-        let learnt = Arc::new(owned(&self.save(&runner, family)?));
+        let scratch_state = self.save(&runner, family)?;
+        let mut claims = Claims::new();
+        for (table, chains) in &scratch_state.tables {
+            for (chain, rules) in chains {
+                let mine: Vec<String> = rules
+                    .iter()
+                    .filter(|r| !chain.starts_with(CHAIN_PREFIX) && !is_istio_jump(r))
+                    .cloned()
+                    .collect();
+                if !mine.is_empty() {
+                    claims.insert((table.clone(), chain.clone()), mine);
+                }
+            }
+        }
+        let learnt = Arc::new(Canonical {
+            owned: owned_claiming(&scratch_state, &claims),
+            claims,
+        });
         if let Some(lock) = &runner.lock_file {
             let _ = std::fs::remove_file(lock);
         }
@@ -261,21 +315,32 @@ impl IptablesBackend {
 
     /// State of one family: the parsed save output and its verdict against `rules`. A family
     /// whose tools fail while nothing is desired (IPv6 off in the kernel) counts as clean.
+    /// `claim`: rules whose builtin-chain parts count as ours (the desired ones, or on removal
+    /// the ones once programmed). Also returns those parts found installed.
     fn family_state(
         &self,
         runner: &Runner<'_>,
         family: Family,
         rules: &[Rule],
+        claim: &[Rule],
         prep: Prep<'_>,
-    ) -> Result<(TablesState, RuleState), IptablesError> {
+    ) -> Result<FamilyState, IptablesError> {
         let current = match self.save(runner, family) {
             Ok(s) => s,
-            Err(_) if rules.is_empty() => return Ok((TablesState::default(), RuleState::InSync)),
+            Err(_) if rules.is_empty() => {
+                return Ok((TablesState::default(), RuleState::InSync, Vec::new()));
+            }
             Err(e) => return Err(e),
         };
         let desired = self.canonical(family, rules, prep)?;
-        let verdict = compare(&owned(&current), &desired);
-        Ok((current, verdict))
+        let claims = if claim == rules {
+            desired.claims.clone()
+        } else {
+            self.canonical(family, claim, prep)?.claims.clone()
+        };
+        let verdict = compare(&owned_claiming(&current, &claims), &desired.owned);
+        let claimed = claimed_in(&current, &claims);
+        Ok((current, verdict, claimed))
     }
 
     /// Makes `netns` hold exactly `rules_for(family)` for both families. Returns the states seen
@@ -285,6 +350,7 @@ impl IptablesBackend {
         netns: &Netns,
         scoped_lock: bool,
         rules_for: impl Fn(Family) -> Vec<Rule>,
+        claim_for: impl Fn(Family) -> Vec<Rule>,
         prep: Prep<'_>,
     ) -> Result<Vec<RuleState>, IptablesError> {
         let runner = self.runner(netns, scoped_lock)?;
@@ -292,9 +358,14 @@ impl IptablesBackend {
         let mut plans = Vec::new();
         for family in [Family::V4, Family::V6] {
             let rules = rules_for(family);
-            let (current, verdict) = self.family_state(&runner, family, &rules, prep)?;
+            let claim = claim_for(family);
+            let (current, verdict, claimed) =
+                self.family_state(&runner, family, &rules, &claim, prep)?;
             if verdict != RuleState::InSync {
-                plans.push((family, replace_restore_text(&current, &rules)));
+                plans.push((
+                    family,
+                    replace_restore_text_claiming(&current, &rules, &claimed),
+                ));
             }
             before.push(verdict);
         }
@@ -308,7 +379,14 @@ impl IptablesBackend {
                 if fresh && !applied.is_empty() {
                     for done in applied {
                         let state = self.save(&runner, done)?;
-                        let _ = self.restore(&runner, done, &replace_restore_text(&state, &[]));
+                        let rules = rules_for(done);
+                        let claims = self.canonical(done, &rules, prep)?.claims.clone();
+                        let text = replace_restore_text_claiming(
+                            &state,
+                            &[],
+                            &claimed_in(&state, &claims),
+                        );
+                        let _ = self.restore(&runner, done, &text);
                     }
                     return Err(IptablesError::RolledBack {
                         family,
@@ -334,7 +412,10 @@ impl IptablesBackend {
         for family in [Family::V4, Family::V6] {
             let rules = rules_for(family);
             states.push((
-                tag(family, self.family_state(&runner, family, &rules, prep)?.1),
+                tag(
+                    family,
+                    self.family_state(&runner, family, &rules, &rules, prep)?.1,
+                ),
                 !rules.is_empty(),
             ));
         }
@@ -349,7 +430,43 @@ impl IptablesBackend {
         rules_for: impl Fn(Family) -> Vec<Rule>,
         prep: Prep<'_>,
     ) -> Result<(), IptablesError> {
-        self.converge(netns, false, rules_for, prep).map(|_| ())
+        self.converge(netns, false, &rules_for, &rules_for, prep)
+            .map(|_| ())
+    }
+
+    /// Programs `rules_for(family)` in a pod namespace under its own xtables lock (the sidecar
+    /// rules). Returns the states seen before the change.
+    pub fn converge_pod(
+        &self,
+        netns: &Netns,
+        rules_for: impl Fn(Family) -> Vec<Rule>,
+    ) -> Result<Vec<RuleState>, IptablesError> {
+        self.converge(netns, true, &rules_for, &rules_for, &no_prep)
+    }
+
+    /// Reads a pod namespace's state against `rules_for`.
+    pub fn verify_pod(
+        &self,
+        netns: &Netns,
+        rules_for: impl Fn(Family) -> Vec<Rule>,
+    ) -> Result<RuleState, IptablesError> {
+        self.state(netns, true, rules_for, &no_prep)
+    }
+
+    /// Removes every `ISTIO_*` chain and jump from a pod namespace, plus the builtin-chain rules
+    /// that `programmed_for(family)` would have added.
+    pub fn remove_pod(
+        &self,
+        netns: &Netns,
+        programmed_for: impl Fn(Family) -> Vec<Rule>,
+    ) -> Result<(), IptablesError> {
+        self.converge(netns, true, |_| Vec::new(), programmed_for, &no_prep)?;
+        if let Ok(runner) = self.runner(netns, true)
+            && let Some(lock) = runner.lock_file
+        {
+            let _ = std::fs::remove_file(lock);
+        }
+        Ok(())
     }
 
     /// Reads the host state against `rules_for`.
@@ -461,7 +578,7 @@ impl InpodRules for IptablesBackend {
     }
 
     fn apply(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), RuleError> {
-        self.converge(netns, true, rules_for(cfg), &no_prep)?;
+        self.converge(netns, true, rules_for(cfg), rules_for(cfg), &no_prep)?;
         Ok(())
     }
 
@@ -470,7 +587,7 @@ impl InpodRules for IptablesBackend {
     }
 
     fn remove(&self, netns: &Netns, _cfg: &InpodConfig) -> Result<(), RuleError> {
-        self.converge(netns, true, |_| Vec::new(), &no_prep)?;
+        self.converge(netns, true, |_| Vec::new(), |_| Vec::new(), &no_prep)?;
         if let Ok(runner) = self.runner(netns, true)
             && let Some(lock) = runner.lock_file
         {

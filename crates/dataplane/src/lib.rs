@@ -9,6 +9,7 @@ pub mod netns;
 pub mod nft;
 pub mod pod;
 pub mod routes;
+pub mod sidecar;
 pub mod test_support;
 
 use inpod::InpodRules;

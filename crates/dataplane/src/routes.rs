@@ -34,6 +34,25 @@ pub enum RouteError {
     Many(Vec<RouteError>),
 }
 
+/// Which mark selects which local-delivery table, at which rule priority. Ambient uses
+/// [`Policy::AMBIENT`]; sidecar TPROXY mode uses its own (mark 1337, table 133).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Policy {
+    pub table: u32,
+    pub mark: u32,
+    pub mask: u32,
+    pub priority: u32,
+}
+
+impl Policy {
+    pub const AMBIENT: Policy = Policy {
+        table: ROUTE_TABLE,
+        mark: TPROXY_MARK,
+        mask: MARK_MASK,
+        priority: RULE_PRIORITY,
+    };
+}
+
 /// One piece of the policy routing, readable in drift reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum RoutePiece {
@@ -82,11 +101,16 @@ fn lo_ipv6_enabled() -> bool {
 
 /// Installs the pieces `ipv6` asks for in `netns`. Idempotent: present pieces are left alone.
 pub fn apply(netns: &Netns, ipv6: bool) -> Result<(), RouteError> {
+    apply_policy(netns, ipv6, &Policy::AMBIENT)
+}
+
+/// [`apply`] for another [`Policy`].
+pub fn apply_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<(), RouteError> {
     netns.run(|| {
         let mut sock = open()?;
         let lo = loopback_index(&mut sock)?;
         for piece in desired(ipv6, lo_ipv6_enabled()) {
-            add(&mut sock, piece, lo)?;
+            add(&mut sock, piece, lo, policy)?;
         }
         Ok(())
     })?
@@ -95,6 +119,11 @@ pub fn apply(netns: &Netns, ipv6: bool) -> Result<(), RouteError> {
 /// Removes every piece (both families; absent ones are fine). All are attempted; failures are
 /// joined.
 pub fn remove(netns: &Netns) -> Result<(), RouteError> {
+    remove_policy(netns, &Policy::AMBIENT)
+}
+
+/// [`remove`] for another [`Policy`].
+pub fn remove_policy(netns: &Netns, policy: &Policy) -> Result<(), RouteError> {
     netns.run(|| {
         let mut sock = open()?;
         let lo = loopback_index(&mut sock)?;
@@ -105,7 +134,7 @@ pub fn remove(netns: &Netns) -> Result<(), RouteError> {
             RoutePiece::LocalRouteV4,
             RoutePiece::LocalRouteV6,
         ] {
-            if let Err(e) = del(&mut sock, piece, lo) {
+            if let Err(e) = del(&mut sock, piece, lo, policy) {
                 errs.push(e);
             }
         }
@@ -144,6 +173,11 @@ impl RouteState {
 
 /// Reads the pieces back (exact match on table, type, mark, mask and priority).
 pub fn read(netns: &Netns, ipv6: bool) -> Result<RouteState, RouteError> {
+    read_policy(netns, ipv6, &Policy::AMBIENT)
+}
+
+/// [`read`] for another [`Policy`].
+pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteState, RouteError> {
     netns.run(|| {
         let mut sock = open()?;
         let lo = loopback_index(&mut sock)?;
@@ -163,10 +197,9 @@ pub fn read(netns: &Netns, ipv6: bool) -> Result<RouteState, RouteError> {
             let mut msg = RouteMessage::default();
             msg.header.address_family = family;
             let routes = dump(&mut sock, RouteNetlinkMessage::GetRoute(msg), "list routes")?;
-            if routes
-                .iter()
-                .any(|m| matches!(m, RouteNetlinkMessage::NewRoute(r) if is_our_route(r, lo)))
-            {
+            if routes.iter().any(
+                |m| matches!(m, RouteNetlinkMessage::NewRoute(r) if is_our_route(r, lo, policy)),
+            ) {
                 present.push(route);
             }
             let mut msg = RuleMessage::default();
@@ -174,7 +207,7 @@ pub fn read(netns: &Netns, ipv6: bool) -> Result<RouteState, RouteError> {
             let rules = dump(&mut sock, RouteNetlinkMessage::GetRule(msg), "list rules")?;
             if rules
                 .iter()
-                .any(|m| matches!(m, RouteNetlinkMessage::NewRule(r) if is_our_rule(r)))
+                .any(|m| matches!(m, RouteNetlinkMessage::NewRule(r) if is_our_rule(r, policy)))
             {
                 present.push(rule);
             }
@@ -240,32 +273,32 @@ fn loopback_index(sock: &mut NetlinkSocket) -> Result<u32, RouteError> {
         .ok_or(RouteError::NoLoopback)
 }
 
-fn route_msg(family: AddressFamily, lo: u32) -> RouteMessage {
+fn route_msg(family: AddressFamily, lo: u32, policy: &Policy) -> RouteMessage {
     let mut msg = RouteMessage::default();
     msg.header.address_family = family;
-    msg.header.table = ROUTE_TABLE as u8;
+    msg.header.table = policy.table as u8;
     msg.header.protocol = RouteProtocol::Boot;
     msg.header.scope = RouteScope::Host;
     msg.header.kind = RouteType::Local;
-    msg.attributes = vec![RouteAttribute::Table(ROUTE_TABLE), RouteAttribute::Oif(lo)];
+    msg.attributes = vec![RouteAttribute::Table(policy.table), RouteAttribute::Oif(lo)];
     msg
 }
 
-fn rule_msg(family: AddressFamily) -> RuleMessage {
+fn rule_msg(family: AddressFamily, policy: &Policy) -> RuleMessage {
     let mut msg = RuleMessage::default();
     msg.header.family = family;
-    msg.header.table = ROUTE_TABLE as u8;
+    msg.header.table = policy.table as u8;
     msg.header.action = RuleAction::ToTable;
     msg.attributes = vec![
-        RuleAttribute::Table(ROUTE_TABLE),
-        RuleAttribute::FwMark(TPROXY_MARK),
-        RuleAttribute::FwMask(MARK_MASK),
-        RuleAttribute::Priority(RULE_PRIORITY),
+        RuleAttribute::Table(policy.table),
+        RuleAttribute::FwMark(policy.mark),
+        RuleAttribute::FwMask(policy.mask),
+        RuleAttribute::Priority(policy.priority),
     ];
     msg
 }
 
-fn is_our_route(r: &RouteMessage, lo: u32) -> bool {
+fn is_our_route(r: &RouteMessage, lo: u32, policy: &Policy) -> bool {
     let table = r
         .attributes
         .iter()
@@ -277,13 +310,13 @@ fn is_our_route(r: &RouteMessage, lo: u32) -> bool {
             }
         })
         .unwrap_or(u32::from(r.header.table));
-    table == ROUTE_TABLE
+    table == policy.table
         && r.header.kind == RouteType::Local
         && r.header.destination_prefix_length == 0
         && r.attributes.contains(&RouteAttribute::Oif(lo))
 }
 
-fn is_our_rule(r: &RuleMessage) -> bool {
+fn is_our_rule(r: &RuleMessage, policy: &Policy) -> bool {
     let has = |want: RuleAttribute| r.attributes.contains(&want);
     let table = r
         .attributes
@@ -296,10 +329,10 @@ fn is_our_rule(r: &RuleMessage) -> bool {
             }
         })
         .unwrap_or(u32::from(r.header.table));
-    table == ROUTE_TABLE
-        && has(RuleAttribute::FwMark(TPROXY_MARK))
-        && has(RuleAttribute::FwMask(MARK_MASK))
-        && has(RuleAttribute::Priority(RULE_PRIORITY))
+    table == policy.table
+        && has(RuleAttribute::FwMark(policy.mark))
+        && has(RuleAttribute::FwMask(policy.mask))
+        && has(RuleAttribute::Priority(policy.priority))
 }
 
 fn family_of(piece: RoutePiece) -> AddressFamily {
@@ -309,17 +342,22 @@ fn family_of(piece: RoutePiece) -> AddressFamily {
     }
 }
 
-fn add(sock: &mut NetlinkSocket, piece: RoutePiece, lo: u32) -> Result<(), RouteError> {
+fn add(
+    sock: &mut NetlinkSocket,
+    piece: RoutePiece,
+    lo: u32,
+    policy: &Policy,
+) -> Result<(), RouteError> {
     let family = family_of(piece);
     let result = match piece {
         RoutePiece::LocalRouteV4 | RoutePiece::LocalRouteV6 => sock.request(
-            RouteNetlinkMessage::NewRoute(route_msg(family, lo)),
+            RouteNetlinkMessage::NewRoute(route_msg(family, lo, policy)),
             NLM_F_CREATE | NLM_F_REPLACE,
         ),
         // Rules have no REPLACE semantics; EXCL turns a duplicate into EEXIST, which means done.
         RoutePiece::MarkRuleV4 | RoutePiece::MarkRuleV6 => {
             match sock.request(
-                RouteNetlinkMessage::NewRule(rule_msg(family)),
+                RouteNetlinkMessage::NewRule(rule_msg(family, policy)),
                 NLM_F_CREATE | NLM_F_EXCL,
             ) {
                 Err(e) if e.errno() == Some(libc::EEXIST) => Ok(()),
@@ -333,14 +371,20 @@ fn add(sock: &mut NetlinkSocket, piece: RoutePiece, lo: u32) -> Result<(), Route
     })
 }
 
-fn del(sock: &mut NetlinkSocket, piece: RoutePiece, lo: u32) -> Result<(), RouteError> {
+fn del(
+    sock: &mut NetlinkSocket,
+    piece: RoutePiece,
+    lo: u32,
+    policy: &Policy,
+) -> Result<(), RouteError> {
     let family = family_of(piece);
     let result = match piece {
-        RoutePiece::LocalRouteV4 | RoutePiece::LocalRouteV6 => {
-            sock.request(RouteNetlinkMessage::DelRoute(route_msg(family, lo)), 0)
-        }
+        RoutePiece::LocalRouteV4 | RoutePiece::LocalRouteV6 => sock.request(
+            RouteNetlinkMessage::DelRoute(route_msg(family, lo, policy)),
+            0,
+        ),
         RoutePiece::MarkRuleV4 | RoutePiece::MarkRuleV6 => {
-            sock.request(RouteNetlinkMessage::DelRule(rule_msg(family)), 0)
+            sock.request(RouteNetlinkMessage::DelRule(rule_msg(family, policy)), 0)
         }
     };
     match result {

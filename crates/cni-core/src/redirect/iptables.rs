@@ -484,6 +484,17 @@ pub enum Artifact {
 /// then the desired rules are added. With no artifacts present this is [`restore_text`]; with
 /// `desired` empty it removes everything of ours.
 pub fn replace_restore_text(current: &TablesState, desired: &[Rule]) -> String {
+    replace_restore_text_claiming(current, desired, &[])
+}
+
+/// [`replace_restore_text`], also deleting `claimed` rules of builtin chains as `(table, chain,
+/// rule)` in `-save` spelling: rules of ours that jump nowhere of ours (the sidecar's TPROXY
+/// marks, excluded-interface returns), which the `ISTIO_*` artifacts alone would not reveal.
+pub fn replace_restore_text_claiming(
+    current: &TablesState,
+    desired: &[Rule],
+    claimed: &[(String, String, String)],
+) -> String {
     #[derive(Default)]
     struct Plan<'a> {
         deletes: Vec<String>,
@@ -520,6 +531,10 @@ pub fn replace_restore_text(current: &TablesState, desired: &[Rule]) -> String {
                 }
             }
         }
+    }
+    for (table, chain, rule) in claimed {
+        let plan = tables.entry(table.clone()).or_default();
+        plan.deletes.push(format!("-D {chain} {rule}"));
     }
     let mut out = String::new();
     for (table, plan) in tables {

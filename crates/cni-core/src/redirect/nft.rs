@@ -41,6 +41,20 @@ const LOOPBACK_V6: Prefix = Prefix {
 const CT_MARK_KEEP: u32 = !consts::MARK_MASK;
 const DNS_PORT: u16 = 53;
 
+/// Conntrack state bits (`NF_CT_STATE_*_BIT`), in the order `nft` prints them.
+pub mod ct_state {
+    pub const INVALID: u32 = 1;
+    pub const ESTABLISHED: u32 = 2;
+    pub const RELATED: u32 = 4;
+    pub const NEW: u32 = 8;
+    pub const NAMES: [(u32, &str); 4] = [
+        (INVALID, "invalid"),
+        (ESTABLISHED, "established"),
+        (RELATED, "related"),
+        (NEW, "new"),
+    ];
+}
+
 /// A whole rule set; every table is of family `inet` (one table serves IPv4 and IPv6).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ruleset {
@@ -278,8 +292,12 @@ pub enum Expr {
         op: CmpOp,
         value: u32,
     },
-    /// `skuid 1000`: the owner of the sending socket
-    SkUid(u32),
+    /// `skuid 1000`, `skgid != 1337`: the owner of the sending socket
+    Owner {
+        gid: bool,
+        op: CmpOp,
+        id: u32,
+    },
     /// `ip daddr @istio-inpod-probes-v4`
     AddrInSet {
         field: AddrField,
@@ -305,6 +323,17 @@ pub enum Expr {
     MarkSetCtMark,
     /// `ct zone set 1`
     CtZoneSet(u16),
+    /// `meta mark set 1337`
+    MarkSet(u32),
+    /// `ct mark set mark`
+    CtMarkSetMark,
+    /// `ct state related,established` (any of the [`ct_state`] bits)
+    CtState(u32),
+    /// `tproxy ip to :15006`
+    Tproxy {
+        v6: bool,
+        port: u16,
+    },
     /// Kernel state this model does not describe (someone else's rule); the text says what it
     /// is so a drift report stays readable.
     Unknown(String),
@@ -366,11 +395,26 @@ impl fmt::Display for Expr {
                 };
                 write!(f, "{field} {}{name}", neg(*op))
             }
+            // A full mask is no mask: `nft` then compares the whole mark, as Istio's sidecar
+            // rules (`mark 1337`) do.
+            Expr::Mark {
+                mask: u32::MAX,
+                op,
+                value,
+            } => write!(f, "mark {}{value}", neg(*op)),
             Expr::Mark { mask, op, value } => write!(f, "mark and {mask:#x} {op} {value:#x}"),
+            Expr::CtMark {
+                mask: u32::MAX,
+                op,
+                value,
+            } => write!(f, "ct mark {}{value}", neg(*op)),
             Expr::CtMark { mask, op, value } => {
                 write!(f, "ct mark and {mask:#x} {op} {value:#x}")
             }
-            Expr::SkUid(uid) => write!(f, "skuid {uid}"),
+            Expr::Owner { gid, op, id } => {
+                let key = if *gid { "skgid" } else { "skuid" };
+                write!(f, "{key} {}{id}", neg(*op))
+            }
             Expr::AddrInSet { field, v6, set } => {
                 let fam = if *v6 { "ip6" } else { "ip" };
                 write!(f, "{fam} {} @{set}", addr_field(*field))
@@ -387,6 +431,19 @@ impl fmt::Display for Expr {
             }
             Expr::MarkSetCtMark => f.write_str("meta mark set ct mark"),
             Expr::CtZoneSet(zone) => write!(f, "ct zone set {zone}"),
+            Expr::MarkSet(mark) => write!(f, "meta mark set {mark}"),
+            Expr::CtMarkSetMark => f.write_str("ct mark set mark"),
+            Expr::CtState(bits) => {
+                let names: Vec<&str> = ct_state::NAMES
+                    .iter()
+                    .filter(|(bit, _)| bits & bit != 0)
+                    .map(|(_, n)| *n)
+                    .collect();
+                write!(f, "ct state {}", names.join(","))
+            }
+            Expr::Tproxy { v6, port } => {
+                write!(f, "tproxy {} to :{port}", if *v6 { "ip6" } else { "ip" })
+            }
             Expr::Unknown(text) => f.write_str(text),
         }
     }
@@ -847,7 +904,11 @@ pub fn host_ruleset(cfg: &HostProbeConfig) -> Ruleset {
             POSTROUTING,
             vec![
                 Expr::L4Proto(L4Proto::Tcp),
-                Expr::SkUid(cfg.kubelet_uid),
+                Expr::Owner {
+                    gid: false,
+                    op: CmpOp::Eq,
+                    id: cfg.kubelet_uid,
+                },
                 Expr::AddrInSet {
                     field: AddrField::Daddr,
                     v6,

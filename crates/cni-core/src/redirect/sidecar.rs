@@ -6,6 +6,8 @@
 //! The rules reuse the ambient [`Rule`] model and its restore renderer; only the rule list
 //! differs, so verification and replacement work the same way for both modes.
 
+pub mod nft;
+
 use std::net::IpAddr;
 
 use ipnet::IpNet;

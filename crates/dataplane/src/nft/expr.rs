@@ -25,9 +25,11 @@ const META_MARK: u32 = 3;
 const META_IIFNAME: u32 = 6;
 const META_OIFNAME: u32 = 7;
 const META_SKUID: u32 = 10;
+const META_SKGID: u32 = 11;
 const META_NFPROTO: u32 = 15;
 const META_L4PROTO: u32 = 16;
 // enum nft_ct_keys
+const CT_STATE: u32 = 0;
 const CT_MARK: u32 = 3;
 const CT_ZONE: u32 = 17;
 // enum nft_ct_attributes
@@ -42,6 +44,9 @@ const NFTA_REDIR_REG_PROTO_MIN: u16 = 1;
 const NFTA_REDIR_FLAGS: u16 = 3;
 /// NF_NAT_RANGE_PROTO_SPECIFIED: the redirect carries a port.
 const NAT_RANGE_PROTO_SPECIFIED: u32 = 2;
+// enum nft_tproxy_attributes
+const NFTA_TPROXY_FAMILY: u16 = 1;
+const NFTA_TPROXY_REG_PORT: u16 = 3;
 // enum nft_nat_attributes / nft_nat_types
 const NFTA_NAT_TYPE: u16 = 1;
 const NFTA_NAT_FAMILY: u16 = 2;
@@ -103,6 +108,10 @@ pub(crate) enum Low {
     Snat {
         family: u8,
     },
+    /// Transparent proxy to the port in the register.
+    Tproxy {
+        family: u8,
+    },
     /// Anything else, by name and raw attributes; only ever decoded, never built.
     Other {
         name: String,
@@ -133,6 +142,7 @@ impl fmt::Display for Low {
             Low::CtSet { key } => write!(f, "[ct set {key}]"),
             Low::Redir => f.write_str("[redir]"),
             Low::Snat { family } => write!(f, "[snat family {family}]"),
+            Low::Tproxy { family } => write!(f, "[tproxy family {family}]"),
             Low::Other { name, detail } => write!(f, "[{name}{detail}]"),
         }
     }
@@ -258,9 +268,31 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
                 Low::Cmp { op: *op, data },
             ]
         }
+        Expr::Mark {
+            mask: u32::MAX,
+            op,
+            value,
+        } => vec![
+            Low::MetaLoad { key: META_MARK },
+            Low::Cmp {
+                op: *op,
+                data: value.to_ne_bytes().to_vec(),
+            },
+        ],
         Expr::Mark { mask, op, value } => vec![
             Low::MetaLoad { key: META_MARK },
             masked(*mask),
+            Low::Cmp {
+                op: *op,
+                data: value.to_ne_bytes().to_vec(),
+            },
+        ],
+        Expr::CtMark {
+            mask: u32::MAX,
+            op,
+            value,
+        } => vec![
+            Low::CtLoad { key: CT_MARK },
             Low::Cmp {
                 op: *op,
                 data: value.to_ne_bytes().to_vec(),
@@ -274,11 +306,13 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
                 data: value.to_ne_bytes().to_vec(),
             },
         ],
-        Expr::SkUid(uid) => vec![
-            Low::MetaLoad { key: META_SKUID },
+        Expr::Owner { gid, op, id } => vec![
+            Low::MetaLoad {
+                key: if *gid { META_SKGID } else { META_SKUID },
+            },
             Low::Cmp {
-                op: CmpOp::Eq,
-                data: uid.to_ne_bytes().to_vec(),
+                op: *op,
+                data: id.to_ne_bytes().to_vec(),
             },
         ],
         Expr::AddrInSet { field, v6, set } => {
@@ -341,6 +375,32 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
                 data: zone.to_ne_bytes().to_vec(),
             },
             Low::CtSet { key: CT_ZONE },
+        ],
+        Expr::MarkSet(mark) => vec![
+            Low::Immediate {
+                data: mark.to_ne_bytes().to_vec(),
+            },
+            Low::MetaSet { key: META_MARK },
+        ],
+        Expr::CtMarkSetMark => vec![
+            Low::MetaLoad { key: META_MARK },
+            Low::CtSet { key: CT_MARK },
+        ],
+        Expr::CtState(bits) => vec![
+            Low::CtLoad { key: CT_STATE },
+            masked(*bits),
+            Low::Cmp {
+                op: CmpOp::Ne,
+                data: vec![0; 4],
+            },
+        ],
+        Expr::Tproxy { v6, port } => vec![
+            Low::Immediate {
+                data: port.to_be_bytes().to_vec(),
+            },
+            Low::Tproxy {
+                family: if *v6 { NFPROTO_IPV6 } else { NFPROTO_IPV4 },
+            },
         ],
         // Never built: an unknown expression only exists in state read back from the kernel.
         Expr::Unknown(_) => vec![],
@@ -495,6 +555,48 @@ fn decode_one(l: &[Low]) -> Option<(Expr, usize)> {
         }
         [
             Low::MetaLoad { key: META_MARK },
+            Low::CtSet { key: CT_MARK },
+            ..,
+        ] => (Expr::CtMarkSetMark, 2),
+        [Low::MetaLoad { key: META_MARK }, Low::Cmp { op, data }, ..] => (
+            Expr::Mark {
+                mask: u32::MAX,
+                op: *op,
+                value: u32_ne(data)?,
+            },
+            2,
+        ),
+        [Low::CtLoad { key: CT_MARK }, Low::Cmp { op, data }, ..] => (
+            Expr::CtMark {
+                mask: u32::MAX,
+                op: *op,
+                value: u32_ne(data)?,
+            },
+            2,
+        ),
+        [
+            Low::CtLoad { key: CT_STATE },
+            Low::Bitwise { mask, xor },
+            Low::Cmp {
+                op: CmpOp::Ne,
+                data,
+            },
+            ..,
+        ] if xor.iter().all(|b| *b == 0) && data.iter().all(|b| *b == 0) => {
+            (Expr::CtState(u32_ne(mask)?), 3)
+        }
+        [Low::Immediate { data }, Low::MetaSet { key: META_MARK }, ..] => {
+            (Expr::MarkSet(u32_ne(data)?), 2)
+        }
+        [Low::Immediate { data }, Low::Tproxy { family }, ..] if data.len() == 2 => (
+            Expr::Tproxy {
+                v6: *family == NFPROTO_IPV6,
+                port: u16::from_be_bytes([data[0], data[1]]),
+            },
+            2,
+        ),
+        [
+            Low::MetaLoad { key: META_MARK },
             Low::Bitwise { mask, xor },
             Low::Cmp { op, data },
             ..,
@@ -509,9 +611,20 @@ fn decode_one(l: &[Low]) -> Option<(Expr, usize)> {
                 3,
             )
         }
-        [Low::MetaLoad { key: META_SKUID }, Low::Cmp { op, data }, ..] if *op == eq => {
-            (Expr::SkUid(u32_ne(data)?), 2)
-        }
+        [
+            Low::MetaLoad {
+                key: k @ (META_SKUID | META_SKGID),
+            },
+            Low::Cmp { op, data },
+            ..,
+        ] => (
+            Expr::Owner {
+                gid: *k == META_SKGID,
+                op: *op,
+                id: u32_ne(data)?,
+            },
+            2,
+        ),
         [
             Low::CtLoad { key: CT_MARK },
             Low::MetaSet { key: META_MARK },
@@ -666,6 +779,13 @@ pub(crate) fn to_netlink(low: &Low) -> ListAttribute<ExpressionAttribute> {
                 be32(NFTA_NAT_REG_ADDR_MIN, REG),
             ],
         ),
+        Low::Tproxy { family } => other(
+            "tproxy",
+            vec![
+                be32(NFTA_TPROXY_FAMILY, u32::from(*family)),
+                be32(NFTA_TPROXY_REG_PORT, REG),
+            ],
+        ),
         // Never built (see `encode`); an empty counter keeps the function total.
         Low::Other { .. } => other("counter", vec![]),
     };
@@ -814,6 +934,15 @@ pub(crate) fn from_netlink(attrs: &[ExpressionAttribute]) -> Low {
                 }
             }
             "redir" => nla_u32(attributes, NFTA_REDIR_REG_PROTO_MIN).map(|_| Low::Redir),
+            "tproxy" => match (
+                nla_u32(attributes, NFTA_TPROXY_FAMILY),
+                nla_u32(attributes, NFTA_TPROXY_REG_PORT),
+            ) {
+                (Some(family), Some(_)) => Some(Low::Tproxy {
+                    family: family as u8,
+                }),
+                _ => None,
+            },
             "nat" => match nla_u32(attributes, NFTA_NAT_TYPE) {
                 Some(NAT_SNAT) => {
                     nla_u32(attributes, NFTA_NAT_FAMILY).map(|f| Low::Snat { family: f as u8 })
@@ -874,10 +1003,19 @@ mod tests {
             probe_snat_v4: cni_core::redirect::consts::PROBE_SNAT_V4,
             probe_snat_v6: cni_core::redirect::consts::PROBE_SNAT_V6,
         };
+        // Sidecar TPROXY + DNS + drop-invalid, dual stack: every sidecar expression at once.
+        let sidecar = cni_core::redirect::sidecar::SidecarConfig {
+            mode: cni_core::redirect::sidecar::InterceptionMode::Tproxy,
+            redirect_dns: true,
+            drop_invalid: true,
+            ipv6: true,
+            ..Default::default()
+        };
         inpod_ruleset(&cfg)
             .tables
             .into_iter()
             .chain(host_ruleset(&host).tables)
+            .chain(cni_core::redirect::sidecar::nft::ruleset(&sidecar).tables)
             .flat_map(|t| t.rules)
             .map(|r| r.exprs)
             .collect()

@@ -1,0 +1,549 @@
+//! The sidecar rule set as native nftables (`native_nftables`): the same decisions as the
+//! iptables form in the parent module, expressed in the shared nftables model, in Istio's
+//! `istio-proxy-*` tables (family `inet`, one table per hook group for both address families).
+//! Istio's `insert rule … index N` steps are resolved here, so the model holds every chain in
+//! its final order.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use ipnet::IpNet;
+
+use super::{
+    DNS_PORT, INBOUND_PORT, InterceptionMode, IpRanges, OUTBOUND_PORT, Ports, SidecarConfig,
+    TPROXY_MARK, TUNNEL_PORT,
+};
+use crate::redirect::nft::{
+    AddrField, Chain, ChainType, CmpOp, Expr, Hook, IfField, L4Proto, PortField, Prefix, Rule,
+    Ruleset, Table, Verdict, ct_state,
+};
+
+pub const NAT_TABLE: &str = "istio-proxy-nat";
+pub const MANGLE_TABLE: &str = "istio-proxy-mangle";
+pub const RAW_TABLE: &str = "istio-proxy-raw";
+/// Every table the sidecar rule set may create; `remove` and `verify` look at exactly these.
+pub const TABLES: [&str; 3] = [NAT_TABLE, MANGLE_TABLE, RAW_TABLE];
+
+const PREROUTING: &str = "prerouting";
+const OUTPUT: &str = "output";
+const INBOUND: &str = "istio-inbound";
+const REDIRECT: &str = "istio-redirect";
+const IN_REDIRECT: &str = "istio-in-redirect";
+const OUT: &str = "istio-output";
+const OUT_DNS: &str = "istio-output-dns";
+const DIVERT: &str = "istio-divert";
+const TPROXY: &str = "istio-tproxy";
+const DROP: &str = "istio-drop";
+const OUTBOUND_MARK: u32 = 1338;
+
+/// Rules of one table in evaluation order per chain.
+struct Tbl {
+    name: &'static str,
+    rules: Vec<Rule>,
+}
+
+impl Tbl {
+    fn add(&mut self, chain: &str, exprs: Vec<Expr>) {
+        self.rules.push(Rule::new(chain, exprs));
+    }
+
+    /// Before the rule now at `index` in `chain` (after its last rule when shorter).
+    fn insert(&mut self, chain: &str, index: usize, exprs: Vec<Expr>) {
+        let at: Vec<usize> = self
+            .rules
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.chain == chain)
+            .map(|(i, _)| i)
+            .collect();
+        let pos = match at.get(index) {
+            Some(p) => *p,
+            None => at.last().map_or(self.rules.len(), |p| p + 1),
+        };
+        self.rules.insert(pos, Rule::new(chain, exprs));
+    }
+
+    /// The table with its base chains (only those with rules) and regular chains in order of
+    /// first use.
+    fn finish(self, pre: (ChainType, i32), out: (ChainType, i32)) -> Option<Table> {
+        if self.rules.is_empty() {
+            return None;
+        }
+        let mut chains: Vec<Chain> = Vec::new();
+        for (name, (kind, prio), hook) in [
+            (PREROUTING, pre, Hook::Prerouting),
+            (OUTPUT, out, Hook::Output),
+        ] {
+            if self.rules.iter().any(|r| r.chain == name) {
+                chains.push(Chain::base(name, kind, hook, prio));
+            }
+        }
+        let mut regular: Vec<String> = Vec::new();
+        for rule in &self.rules {
+            let jump = rule.exprs.iter().find_map(|e| match e {
+                Expr::Verdict(Verdict::Jump(c)) => Some(c.clone()),
+                _ => None,
+            });
+            for name in std::iter::once(rule.chain.clone()).chain(jump) {
+                if name != PREROUTING && name != OUTPUT && !regular.contains(&name) {
+                    regular.push(name);
+                }
+            }
+        }
+        chains.extend(regular.iter().map(|n| Chain::regular(n)));
+        Some(Table {
+            name: self.name.to_string(),
+            sets: Vec::new(),
+            chains,
+            rules: self.rules,
+        })
+    }
+}
+
+fn tcp() -> Expr {
+    Expr::L4Proto(L4Proto::Tcp)
+}
+
+fn port(proto: L4Proto, field: PortField, op: CmpOp, port: u16) -> Expr {
+    Expr::Port {
+        proto,
+        field,
+        op,
+        port,
+    }
+}
+
+fn dport(proto: L4Proto, op: CmpOp, p: u16) -> Expr {
+    port(proto, PortField::Dport, op, p)
+}
+
+fn iface(field: IfField, op: CmpOp, name: &str) -> Expr {
+    Expr::Iface {
+        field,
+        op,
+        name: name.to_string(),
+    }
+}
+
+fn lo_out() -> Expr {
+    iface(IfField::Oifname, CmpOp::Eq, "lo")
+}
+
+fn addr(field: AddrField, op: CmpOp, net: IpNet) -> Expr {
+    Expr::Addr {
+        field,
+        op,
+        prefix: Prefix {
+            addr: net.addr(),
+            len: net.prefix_len(),
+        },
+    }
+}
+
+fn net(a: IpAddr, len: u8) -> IpNet {
+    IpNet::new(a, len).expect("valid prefix length")
+}
+
+fn owner(gid: bool, op: CmpOp, id: u32) -> Expr {
+    Expr::Owner { gid, op, id }
+}
+
+fn mark(op: CmpOp, value: u32) -> Expr {
+    Expr::Mark {
+        mask: u32::MAX,
+        op,
+        value,
+    }
+}
+
+fn jump(chain: &str) -> Vec<Expr> {
+    vec![
+        Expr::Counter,
+        Expr::Verdict(Verdict::Jump(chain.to_string())),
+    ]
+}
+
+fn with(mut head: Vec<Expr>, tail: Vec<Expr>) -> Vec<Expr> {
+    head.extend(tail);
+    head
+}
+
+fn ret() -> Vec<Expr> {
+    vec![Expr::Counter, Expr::Verdict(Verdict::Return)]
+}
+
+/// Per address family: the loopback destination, the inbound passthrough source and whether
+/// it is IPv6.
+fn families(cfg: &SidecarConfig) -> Vec<(IpNet, IpNet, bool)> {
+    let mut out = vec![(
+        net(IpAddr::V4(Ipv4Addr::LOCALHOST), 32),
+        net(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 6)), 32),
+        false,
+    )];
+    if cfg.ipv6 {
+        out.push((
+            net(IpAddr::V6(Ipv6Addr::LOCALHOST), 128),
+            net(IpAddr::V6(Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6)), 128),
+            true,
+        ));
+    }
+    out
+}
+
+fn wanted(cfg: &SidecarConfig, n: &IpNet) -> bool {
+    n.addr().is_ipv4() || cfg.ipv6
+}
+
+/// The sidecar rule set for `cfg`.
+pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
+    let mut nat = Tbl {
+        name: NAT_TABLE,
+        rules: Vec::new(),
+    };
+    let mut mangle = Tbl {
+        name: MANGLE_TABLE,
+        rules: Vec::new(),
+    };
+    let mut raw = Tbl {
+        name: RAW_TABLE,
+        rules: Vec::new(),
+    };
+    let tproxy = cfg.mode == InterceptionMode::Tproxy;
+    let fams = families(cfg);
+    let (eq, ne) = (CmpOp::Eq, CmpOp::Ne);
+
+    for i in &cfg.exclude_interfaces {
+        nat.add(
+            PREROUTING,
+            with(vec![iface(IfField::Iifname, eq, i.as_str())], ret()),
+        );
+        nat.add(
+            OUTPUT,
+            with(vec![iface(IfField::Oifname, eq, i.as_str())], ret()),
+        );
+    }
+    if tproxy {
+        for i in &cfg.exclude_interfaces {
+            mangle.add(
+                PREROUTING,
+                with(vec![iface(IfField::Iifname, eq, i.as_str())], ret()),
+            );
+            mangle.add(
+                OUTPUT,
+                with(vec![iface(IfField::Oifname, eq, i.as_str())], ret()),
+            );
+        }
+    }
+    for i in &cfg.reroute_virtual_interfaces {
+        nat.insert(
+            PREROUTING,
+            0,
+            with(vec![iface(IfField::Iifname, eq, i.as_str())], ret()),
+        );
+    }
+    if cfg.drop_invalid {
+        mangle.add(
+            PREROUTING,
+            with(vec![tcp(), Expr::CtState(ct_state::INVALID)], jump(DROP)),
+        );
+        mangle.add(DROP, vec![Expr::Counter, Expr::Verdict(Verdict::Drop)]);
+    }
+    nat.add(
+        INBOUND,
+        with(vec![tcp(), dport(L4Proto::Tcp, eq, TUNNEL_PORT)], ret()),
+    );
+    nat.add(
+        REDIRECT,
+        vec![
+            tcp(),
+            Expr::Counter,
+            Expr::Redirect {
+                port: OUTBOUND_PORT,
+            },
+        ],
+    );
+    nat.add(
+        IN_REDIRECT,
+        vec![tcp(), Expr::Counter, Expr::Redirect { port: INBOUND_PORT }],
+    );
+
+    let capture_inbound = !matches!(&cfg.include_inbound_ports, Ports::List(p) if p.is_empty());
+    if capture_inbound && tproxy {
+        mangle.add(DIVERT, vec![Expr::Counter, Expr::MarkSet(TPROXY_MARK)]);
+        mangle.add(DIVERT, vec![Expr::Counter, Expr::Verdict(Verdict::Accept)]);
+        for (lo, _, v6) in &fams {
+            mangle.add(
+                TPROXY,
+                vec![
+                    tcp(),
+                    addr(AddrField::Daddr, ne, *lo),
+                    Expr::Tproxy {
+                        v6: *v6,
+                        port: INBOUND_PORT,
+                    },
+                    Expr::MarkSet(TPROXY_MARK),
+                    Expr::Counter,
+                    Expr::Verdict(Verdict::Accept),
+                ],
+            );
+        }
+        mangle.add(PREROUTING, with(vec![tcp()], jump(INBOUND)));
+        let established = || Expr::CtState(ct_state::RELATED | ct_state::ESTABLISHED);
+        match &cfg.include_inbound_ports {
+            Ports::All => {
+                for p in &cfg.exclude_inbound_ports {
+                    mangle.add(
+                        INBOUND,
+                        with(vec![tcp(), dport(L4Proto::Tcp, eq, *p)], ret()),
+                    );
+                }
+                mangle.add(INBOUND, with(vec![tcp(), established()], jump(DIVERT)));
+                mangle.add(INBOUND, with(vec![tcp()], jump(TPROXY)));
+            }
+            Ports::List(ports) => {
+                for p in ports {
+                    mangle.add(
+                        INBOUND,
+                        with(
+                            vec![tcp(), established(), dport(L4Proto::Tcp, eq, *p)],
+                            jump(DIVERT),
+                        ),
+                    );
+                    mangle.add(
+                        INBOUND,
+                        with(vec![tcp(), dport(L4Proto::Tcp, eq, *p)], jump(TPROXY)),
+                    );
+                }
+            }
+        }
+    } else if capture_inbound {
+        nat.add(PREROUTING, with(vec![tcp()], jump(INBOUND)));
+        match &cfg.include_inbound_ports {
+            Ports::All => {
+                for p in &cfg.exclude_inbound_ports {
+                    nat.add(
+                        INBOUND,
+                        with(vec![tcp(), dport(L4Proto::Tcp, eq, *p)], ret()),
+                    );
+                }
+                nat.add(INBOUND, with(vec![tcp()], jump(IN_REDIRECT)));
+            }
+            Ports::List(ports) => {
+                for p in ports {
+                    nat.add(
+                        INBOUND,
+                        with(vec![tcp(), dport(L4Proto::Tcp, eq, *p)], jump(IN_REDIRECT)),
+                    );
+                }
+            }
+        }
+    }
+
+    nat.add(OUTPUT, jump(OUT));
+    for p in &cfg.exclude_outbound_ports {
+        nat.add(OUT, with(vec![dport(L4Proto::Tcp, eq, *p)], ret()));
+        nat.add(OUT, with(vec![dport(L4Proto::Udp, eq, *p)], ret()));
+    }
+    for (_, passthrough, _) in &fams {
+        nat.add(
+            OUT,
+            with(
+                vec![lo_out(), addr(AddrField::Saddr, eq, *passthrough)],
+                ret(),
+            ),
+        );
+    }
+    let include_has_loopback = match &cfg.include_outbound_ip_ranges {
+        IpRanges::All => false,
+        IpRanges::List(nets) => nets.iter().any(|n| n.addr().is_loopback()),
+    };
+    for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
+        for (lo, _, _) in &fams {
+            let mut m = vec![lo_out(), tcp(), addr(AddrField::Daddr, ne, *lo)];
+            // The proxy's own DNS queries over lo go to the DNS proxy, not the inbound listener.
+            if cfg.redirect_dns && !gid {
+                m.push(dport(L4Proto::Tcp, ne, 53));
+            }
+            m.push(dport(L4Proto::Tcp, ne, TUNNEL_PORT));
+            m.push(owner(gid, eq, id));
+            nat.add(OUT, with(m, jump(IN_REDIRECT)));
+        }
+        if !include_has_loopback {
+            let m = if cfg.redirect_dns {
+                vec![
+                    lo_out(),
+                    tcp(),
+                    dport(L4Proto::Tcp, ne, 53),
+                    owner(gid, ne, id),
+                ]
+            } else {
+                vec![lo_out(), owner(gid, ne, id)]
+            };
+            nat.add(OUT, with(m, ret()));
+        }
+        nat.add(OUT, with(vec![owner(gid, eq, id)], ret()));
+    }
+    if cfg.redirect_dns {
+        raw.add(OUTPUT, jump(OUT_DNS));
+        nat.add(OUT, jump(OUT_DNS));
+        let to_dns = || vec![Expr::Counter, Expr::Redirect { port: DNS_PORT }];
+        nat.add(
+            OUT_DNS,
+            with(vec![tcp(), dport(L4Proto::Tcp, eq, 53)], to_dns()),
+        );
+        nat.add(OUT_DNS, with(vec![dport(L4Proto::Udp, eq, 53)], to_dns()));
+        let zone = |z| vec![Expr::Counter, Expr::CtZoneSet(z)];
+        for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
+            raw.add(
+                OUT_DNS,
+                with(
+                    vec![dport(L4Proto::Udp, eq, 53), owner(gid, eq, id)],
+                    zone(1),
+                ),
+            );
+            raw.add(
+                OUT_DNS,
+                with(
+                    vec![
+                        port(L4Proto::Udp, PortField::Sport, eq, DNS_PORT),
+                        owner(gid, eq, id),
+                    ],
+                    zone(2),
+                ),
+            );
+        }
+        raw.add(PREROUTING, jump(INBOUND));
+        raw.add(OUT_DNS, with(vec![dport(L4Proto::Udp, eq, 53)], zone(2)));
+        raw.add(
+            INBOUND,
+            with(vec![port(L4Proto::Udp, PortField::Sport, eq, 53)], zone(1)),
+        );
+    }
+    for (lo, _, _) in &fams {
+        nat.add(OUT, with(vec![addr(AddrField::Daddr, eq, *lo)], ret()));
+    }
+    for n in cfg
+        .exclude_outbound_ip_ranges
+        .iter()
+        .filter(|n| wanted(cfg, n))
+    {
+        nat.add(OUT, with(vec![addr(AddrField::Daddr, eq, *n)], ret()));
+    }
+    for p in &cfg.include_outbound_ports {
+        nat.add(OUT, with(vec![dport(L4Proto::Tcp, eq, *p)], jump(REDIRECT)));
+    }
+    match &cfg.include_outbound_ip_ranges {
+        IpRanges::All => {
+            nat.add(OUT, jump(REDIRECT));
+            for i in &cfg.reroute_virtual_interfaces {
+                nat.insert(
+                    PREROUTING,
+                    0,
+                    with(
+                        vec![iface(IfField::Iifname, eq, i.as_str())],
+                        jump(REDIRECT),
+                    ),
+                );
+            }
+        }
+        IpRanges::List(nets) => {
+            for n in nets.iter().filter(|n| wanted(cfg, n)) {
+                for i in &cfg.reroute_virtual_interfaces {
+                    nat.insert(
+                        PREROUTING,
+                        0,
+                        with(
+                            vec![
+                                iface(IfField::Iifname, eq, i.as_str()),
+                                addr(AddrField::Daddr, eq, *n),
+                            ],
+                            jump(REDIRECT),
+                        ),
+                    );
+                }
+                nat.add(
+                    OUT,
+                    with(vec![addr(AddrField::Daddr, eq, *n)], jump(REDIRECT)),
+                );
+            }
+        }
+    }
+    if tproxy {
+        mangle.add(
+            PREROUTING,
+            vec![
+                tcp(),
+                mark(eq, TPROXY_MARK),
+                Expr::Counter,
+                Expr::CtMarkSetMark,
+            ],
+        );
+        mangle.add(
+            OUTPUT,
+            with(vec![lo_out(), tcp(), mark(eq, TPROXY_MARK)], ret()),
+        );
+        for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
+            for (lo, _, _) in &fams {
+                mangle.add(
+                    OUTPUT,
+                    vec![
+                        lo_out(),
+                        tcp(),
+                        addr(AddrField::Daddr, ne, *lo),
+                        owner(gid, eq, id),
+                        Expr::Counter,
+                        Expr::MarkSet(OUTBOUND_MARK),
+                    ],
+                );
+            }
+        }
+        mangle.add(
+            OUTPUT,
+            vec![
+                tcp(),
+                Expr::CtMark {
+                    mask: u32::MAX,
+                    op: eq,
+                    value: TPROXY_MARK,
+                },
+                Expr::Counter,
+                Expr::MarkSetCtMark,
+            ],
+        );
+        mangle.insert(INBOUND, 0, with(vec![tcp(), mark(eq, TPROXY_MARK)], ret()));
+        for (_, passthrough, _) in &fams {
+            mangle.insert(
+                INBOUND,
+                1,
+                with(
+                    vec![
+                        iface(IfField::Iifname, eq, "lo"),
+                        tcp(),
+                        addr(AddrField::Saddr, eq, *passthrough),
+                    ],
+                    ret(),
+                ),
+            );
+        }
+        mangle.insert(
+            INBOUND,
+            2,
+            with(
+                vec![
+                    iface(IfField::Iifname, eq, "lo"),
+                    tcp(),
+                    mark(ne, OUTBOUND_MARK),
+                ],
+                ret(),
+            ),
+        );
+    }
+
+    let tables = [
+        nat.finish((ChainType::Nat, -100), (ChainType::Nat, -100)),
+        mangle.finish((ChainType::Filter, -150), (ChainType::Route, -150)),
+        raw.finish((ChainType::Filter, -300), (ChainType::Filter, -300)),
+    ];
+    Ruleset {
+        tables: tables.into_iter().flatten().collect(),
+    }
+}
