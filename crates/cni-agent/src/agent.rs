@@ -149,7 +149,7 @@ pub async fn run(
     };
     if let Some(r) = repair {
         let controller =
-            crate::repair::RepairController::new(r.cfg, r.client, metrics.pods_repaired.clone());
+            crate::repair::RepairController::from_setup(r, metrics.pods_repaired.clone());
         let synced = readiness.condition("repair");
         tokio::spawn(controller.run(Some(synced), stopped(stop_rx.clone())));
     }

@@ -170,6 +170,9 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
     let repair = match crate::repair::RepairConfig::from_args(&cli.repair, a.node_name.as_deref())?
     {
         Some(cfg) => Some(crate::repair::RepairSetup {
+            in_place: (cfg.action == crate::repair::RepairAction::Repair)
+                .then(|| crate::repair::inplace::InPlaceRepair::from_args(&cli.install, a))
+                .transpose()?,
             cfg,
             client: match &ambient {
                 Some(a) => a.client.clone(),

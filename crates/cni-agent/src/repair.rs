@@ -7,6 +7,7 @@ pub mod config;
 pub mod controller;
 pub mod events;
 pub mod filter;
+pub mod inplace;
 pub mod netns;
 
 pub use config::{RepairAction, RepairArgs, RepairConfig};
@@ -16,4 +17,6 @@ pub use controller::RepairController;
 pub struct RepairSetup {
     pub cfg: RepairConfig,
     pub client: kube::Client,
+    /// Host access for `REPAIR_REPAIR_PODS`; `None` for the other actions.
+    pub in_place: Option<inplace::InPlaceRepair>,
 }

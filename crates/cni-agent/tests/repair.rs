@@ -6,10 +6,15 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use cni_agent::ambient::hints::NetnsHints;
 use cni_agent::cli::Cli;
 use cni_agent::metrics::Metrics;
+use cni_agent::repair::inplace::InPlaceRepair;
+use cni_agent::repair::netns::PodNetnsFinder;
 use cni_agent::repair::{RepairConfig, RepairController};
 use cni_agent::testing::kube::KubeTestEnv;
+use dataplane::netns::Netns;
+use dataplane::test_support::TestNetns;
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -131,6 +136,14 @@ async fn start_controller(
     env_vars: &[(&str, &str)],
     client: kube::Client,
 ) -> (Registry, tokio::task::JoinHandle<()>) {
+    start_controller_with(env_vars, client, None).await
+}
+
+async fn start_controller_with(
+    env_vars: &[(&str, &str)],
+    client: kube::Client,
+    in_place: Option<InPlaceRepair>,
+) -> (Registry, tokio::task::JoinHandle<()>) {
     let env: HashMap<&str, &str> = env_vars.iter().copied().collect();
     let cli: Cli = cni_agent::config::parse_from(["install-cni"], &env).unwrap();
     let cfg = RepairConfig::from_args(&cli.repair, cli.ambient.node_name.as_deref())
@@ -138,7 +151,10 @@ async fn start_controller(
         .expect("an action is selected");
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
-    let controller = RepairController::new(cfg, client, metrics.pods_repaired.clone());
+    let mut controller = RepairController::new(cfg, client, metrics.pods_repaired.clone());
+    if let Some(r) = in_place {
+        controller = controller.with_in_place(r);
+    }
     let task = tokio::spawn(controller.run(None, std::future::pending()));
     (registry, task)
 }
@@ -370,4 +386,132 @@ async fn without_the_action_rule_labelling_fails_five_times_then_stops() {
             "{message}"
         );
     }
+}
+
+/// A sidecar pod whose sandbox is `netns` (holding `ip`), crash-looping on validation, with the
+/// netns path recorded as the agent records `CNI_NETNS` at ADD.
+async fn running_sidecar_pod(
+    pods: &Api<Pod>,
+    name: &str,
+    node: &str,
+    netns: &TestNetns,
+    ip: &str,
+    hints: &NetnsHints,
+) {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "annotations": {"sidecar.istio.io/status": "{}"}},
+        "spec": {
+            "nodeName": node,
+            "initContainers": [{"name": "istio-validation", "image": "proxyv2"}],
+            "containers": [
+                {"name": "app", "image": "busybox"},
+                {"name": "istio-proxy", "image": "proxyv2", "args": ["proxy", "sidecar"]}
+            ]
+        }
+    }))
+    .unwrap();
+    let created = pods.create(&PostParams::default(), &pod).await.unwrap();
+    netns.exec(
+        "ip",
+        &[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+        ],
+    );
+    netns.exec("ip", &["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+    hints.record(
+        created.metadata.uid.as_deref().unwrap(),
+        &netns.path().display().to_string(),
+    );
+    let patch = json!({"status": {"podIP": ip, "podIPs": [{"ip": ip}]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    set_validation_status(pods, name, true).await;
+}
+
+/// The iptables variant is forced so the test reads rules back with the matching `-save`.
+fn in_place(run_dir: &std::path::Path, backend: &'static str) -> InPlaceRepair {
+    InPlaceRepair {
+        finder: PodNetnsFinder {
+            hints: NetnsHints::new(run_dir),
+            host_prefix: "/".into(),
+            proc_dir: "/proc".into(),
+            host: Netns::current().unwrap().id(),
+        },
+        backend,
+        force_iptables_binary: Some("nft".into()),
+        host: None,
+    }
+}
+
+#[tokio::test]
+async fn repair_mode_programs_sidecar_rules_in_running_pods() {
+    dataplane::require_root!();
+    let env = KubeTestEnv::start().await;
+    let admin = env.client();
+    create_namespace(&env).await;
+    let pods = Api::<Pod>::namespaced(admin.clone(), NS);
+    let run = tempfile::tempdir().unwrap();
+    let hints = NetnsHints::new(run.path());
+    // One node per backend, each with its own controller: each repairs only its node's pod.
+    let (ipt_ns, nft_ns) = (TestNetns::new("repair-ipt"), TestNetns::new("repair-nft"));
+    running_sidecar_pod(&pods, "on-a", NODE, &ipt_ns, "10.251.9.7", &hints).await;
+    running_sidecar_pod(&pods, "on-c", "node-c", &nft_ns, "10.251.9.8", &hints).await;
+
+    // In-place repair needs no API rules beyond the base ones.
+    let client = repair_client(&env, repair_rules(None)).await;
+    let (ipt_metrics, _a) = start_controller_with(
+        &[("REPAIR_REPAIR_PODS", "true"), ("NODE_NAME", NODE)],
+        client.clone(),
+        Some(in_place(run.path(), "iptables")),
+    )
+    .await;
+    let (nft_metrics, _c) = start_controller_with(
+        &[("REPAIR_REPAIR_PODS", "true"), ("NODE_NAME", "node-c")],
+        client,
+        Some(in_place(run.path(), "nftables")),
+    )
+    .await;
+
+    eventually("both pods repaired", || async {
+        repaired(&ipt_metrics, "repair", "success") == 1
+            && repaired(&nft_metrics, "repair", "success") == 1
+    })
+    .await;
+    let nat = ipt_ns.exec("iptables-nft-save", &["-t", "nat"]);
+    for line in [
+        "-A PREROUTING -p tcp -j ISTIO_INBOUND",
+        "-A OUTPUT -j ISTIO_OUTPUT",
+        "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001",
+        "-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006",
+    ] {
+        assert!(
+            nat.lines().any(|l| l == line),
+            "missing {line:?} in:\n{nat}"
+        );
+    }
+    let ruleset = nft_ns.exec("nft", &["list", "ruleset"]);
+    assert!(
+        ruleset.contains("table inet istio-proxy-nat") && ruleset.contains("15001"),
+        "{ruleset}"
+    );
+    for save in ["iptables-nft-save", "iptables-legacy-save"] {
+        assert!(
+            !nft_ns.exec(save, &[]).contains("ISTIO"),
+            "the nftables node must not get iptables rules"
+        );
+    }
+
+    // Later changes of a repaired pod do not re-apply anything (the UID is remembered).
+    set_validation_status(&pods, "on-a", true).await;
+    let patch = json!({"metadata": {"annotations": {"touched": "1"}}});
+    pods.patch_status("on-a", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(repaired(&ipt_metrics, "repair", "success"), 1);
+    assert_eq!(repaired(&ipt_metrics, "repair", "fail"), 0);
+    assert_eq!(repaired(&nft_metrics, "repair", "fail"), 0);
+    // In-place repair leaves no Events, as in Istio.
+    assert!(repair_events(&admin).await.is_empty());
 }

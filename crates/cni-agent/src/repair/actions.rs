@@ -17,10 +17,10 @@ pub enum ActionError {
     Delete(#[source] kube::Error),
     #[error("labelling the pod: {0}")]
     Label(#[source] kube::Error),
-    /// In-place repair needs the sidecar redirection rules, which this build does not have yet.
-    #[error(
-        "in-place repair (REPAIR_REPAIR_PODS) is not available in this build; use REPAIR_DELETE_PODS or REPAIR_LABEL_PODS"
-    )]
+    #[error("repairing in place: {0}")]
+    Repair(#[from] super::inplace::InPlaceError),
+    /// A controller built without the host access in-place repair needs.
+    #[error("in-place repair (REPAIR_REPAIR_PODS) is not set up in this controller")]
     RepairUnavailable,
 }
 
@@ -34,6 +34,7 @@ pub struct Actions {
     pub client: kube::Client,
     pub events: EventRecorder,
     pub metrics: Family<RepairLabels, Counter>,
+    pub in_place: Option<super::inplace::InPlaceRepair>,
 }
 
 fn namespace_and_name(pod: &Pod) -> (String, String) {
@@ -128,8 +129,20 @@ impl Actions {
     /// Programs the sidecar redirection inside the running pod (no Event, as in Istio).
     pub async fn repair(&self, pod: &Pod) -> Result<(), ActionError> {
         let (ns, name) = namespace_and_name(pod);
-        tracing::error!(pod = %format!("{ns}/{name}"), "pod detected as broken, but {}", ActionError::RepairUnavailable);
-        self.count(RepairAction::Repair, FAIL);
-        Err(ActionError::RepairUnavailable)
+        let result = match &self.in_place {
+            Some(r) => r.repair(pod).await.map_err(ActionError::from),
+            None => Err(ActionError::RepairUnavailable),
+        };
+        match &result {
+            Ok(()) => {
+                tracing::info!(pod = %format!("{ns}/{name}"), "broken pod repaired in place");
+                self.count(RepairAction::Repair, SUCCESS);
+            }
+            Err(e) => {
+                tracing::error!(pod = %format!("{ns}/{name}"), error = %e, "pod detected as broken, but repair failed");
+                self.count(RepairAction::Repair, FAIL);
+            }
+        }
+        result
     }
 }

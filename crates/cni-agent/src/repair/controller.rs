@@ -86,11 +86,25 @@ impl RepairController {
                 client: client.clone(),
                 events,
                 metrics,
+                in_place: None,
             },
             client,
             repaired: HashMap::new(),
             attempts: HashMap::new(),
         }
+    }
+
+    /// The controller the agent runs: [`Self::new`] plus in-place repair when configured.
+    pub fn from_setup(setup: super::RepairSetup, metrics: Family<RepairLabels, Counter>) -> Self {
+        let mut c = Self::new(setup.cfg, setup.client, metrics);
+        c.actions.in_place = setup.in_place;
+        c
+    }
+
+    /// Enables in-place repair (`REPAIR_REPAIR_PODS`) with these host settings.
+    pub fn with_in_place(mut self, in_place: super::inplace::InPlaceRepair) -> Self {
+        self.actions.in_place = Some(in_place);
+        self
     }
 
     /// Watches and repairs until `stopped` completes. `synced` turns true once the initial list
