@@ -47,8 +47,8 @@ pub struct Netns {
 }
 
 // From <linux/magic.h> and <linux/nsfs.h>.
-const NSFS_MAGIC: i64 = 0x6e73_6673;
-const PROC_SUPER_MAGIC: i64 = 0x9fa0;
+const NSFS_MAGIC: u64 = 0x6e73_6673;
+const PROC_SUPER_MAGIC: u64 = 0x9fa0;
 const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
 
 impl Netns {
@@ -62,11 +62,14 @@ impl Netns {
         };
         let file = File::open(path).map_err(open_err)?;
         let fs = nix::sys::statfs::fstatfs(&file).map_err(|e| open_err(e.into()))?;
+        // `f_type` is i64 with glibc and u64 with musl (the static plugin); the magics are small
+        // positive numbers, so the cast is exact on both.
         #[allow(
-            clippy::useless_conversion,
-            reason = "f_type width differs between libc targets"
+            clippy::unnecessary_cast,
+            clippy::cast_sign_loss,
+            reason = "f_type's integer type differs between libc targets"
         )]
-        let magic = i64::from(fs.filesystem_type().0);
+        let magic = fs.filesystem_type().0 as u64;
         if magic != NSFS_MAGIC && magic != PROC_SUPER_MAGIC {
             return Err(NetnsError::NotNetns {
                 path: path.to_owned(),
