@@ -10,9 +10,11 @@
 //! (the runtime retries the sandbox until the agent is back), and a failed lookup fails the ADD.
 //! An Istio agent (404 on `/v1/cmdadd`) gets Istio's flow: API lookup, then `POST /cmdadd`.
 //!
-//! Sidecar pods: the sidecar redirection rules are not implemented yet; such pods pass through
-//! unchanged (the agent's `sidecar` decision is logged, nothing else).
+//! Sidecar pods (the agent's `sidecar` decision, or a pod read from the API server when the agent
+//! cannot answer, or with ambient disabled): the plugin programs the sidecar redirection inside
+//! `CNI_NETNS` itself ([`crate::sidecar`]); failure fails the ADD.
 
+use std::net::IpAddr;
 use std::thread::sleep;
 use std::time::Duration;
 
@@ -27,6 +29,7 @@ use cni_core::plugin_conf::PluginConf;
 use crate::agent::{self, AgentError};
 use crate::kube::{ApiClient, Kubeconfig};
 use crate::log::Log;
+use crate::sidecar;
 
 /// Per API request; the runtime's own CNI timeout is minutes, the pod's start is what waits.
 const API_TIMEOUT: Duration = Duration::from_secs(5);
@@ -61,17 +64,18 @@ pub fn cmd_add(
         log.info("pod namespace excluded", &[]);
         return Ok(output);
     }
-    if !conf.ambient_enabled {
-        log.debug(
-            "ambient disabled; sidecar redirection is not implemented, letting the pod through",
-            &[],
-        );
-        return Ok(output);
-    }
     let ips = match &conf.prev_result {
         Some(raw) => prev_result_ips(raw.get(), conf_version)?,
         None => Vec::new(),
     };
+    if !conf.ambient_enabled {
+        // Istio's sidecar branch: the pod itself says whether it needs redirection.
+        let addrs: Vec<IpAddr> = ips.iter().map(|c| c.address.addr()).collect();
+        let pod_ref = format!("{}/{}", k8s.pod_namespace, k8s.pod_name);
+        let pod = get_pod_for_sidecar(&conf, &k8s.pod_namespace, &k8s.pod_name, log)?;
+        sidecar::program(&conf, &args.netns, &pod_ref, &pod, &addrs, log)?;
+        return Ok(output);
+    }
     let req = CmdAddRequest {
         netns: args.netns.clone(),
         pod_name: k8s.pod_name.clone(),
@@ -117,14 +121,13 @@ impl Ambient<'_> {
                     ))
                 })?;
                 match decision {
-                    CmdAddResponse::Enrolled => self.log.info("pod enrolled in the ambient mesh", &[]),
+                    CmdAddResponse::Enrolled => {
+                        self.log.info("pod enrolled in the ambient mesh", &[])
+                    }
                     CmdAddResponse::NotAmbient { reason } => {
                         self.log.debug("pod is not ambient", &[("reason", &reason)]);
                     }
-                    CmdAddResponse::Sidecar { .. } => self.log.warn(
-                        "sidecar pod: sidecar redirection is not implemented, letting the pod through",
-                        &[],
-                    ),
+                    CmdAddResponse::Sidecar { pod } => return self.sidecar(&pod),
                 }
                 Ok(())
             }
@@ -151,16 +154,13 @@ impl Ambient<'_> {
             &[("cause", cause)],
         );
         match self.is_ambient() {
-            Ok(true) => Err(CniError::internal(format!(
+            Ok((true, _)) => Err(CniError::internal(format!(
                 "agent unreachable: refusing to start ambient pod {} unredirected: {cause}",
                 self.pod()
             ))),
-            Ok(false) => {
-                self.log.info(
-                    "agent unreachable; pod is not ambient, letting it through",
-                    &[],
-                );
-                Ok(())
+            Ok((false, pod)) => {
+                self.log.info("agent unreachable; pod is not ambient", &[]);
+                self.sidecar(&pod)
             }
             Err(e) => Err(CniError::internal(format!(
                 "agent unreachable ({cause}) and ambient membership of pod {} unknown: {e}",
@@ -173,7 +173,7 @@ impl Ambient<'_> {
     fn istio_flow(&mut self) -> Result<(), CniError> {
         // Istio treats a failed lookup as "not ambient" and lets the pod start unredirected
         // (fail open, istio-cni.md §3.3 step 7). We fail the ADD instead; the runtime retries.
-        let ambient = self.is_ambient().map_err(|e| {
+        let (ambient, pod) = self.is_ambient().map_err(|e| {
             CniError::internal(format!(
                 "cannot tell whether pod {} is ambient: {e}",
                 self.pod()
@@ -181,7 +181,7 @@ impl Ambient<'_> {
         })?;
         if !ambient {
             self.log.debug("pod is not ambient", &[]);
-            return Ok(());
+            return self.sidecar(&pod);
         }
         let socket = self.conf.run_dir().join(EVENT_SOCKET);
         let prefix = "istio-cni cmdAdd failed to contact node Istio CNI agent";
@@ -206,9 +206,17 @@ impl Ambient<'_> {
         }
     }
 
+    /// Programs sidecar redirection when `pod` is a sidecar pod; lets any other pod through.
+    fn sidecar(&mut self, pod: &serde_json::Value) -> Result<(), CniError> {
+        let addrs: Vec<IpAddr> = self.req.ips.iter().map(|c| c.address.addr()).collect();
+        let pod_ref = self.pod();
+        sidecar::program(self.conf, &self.req.netns, &pod_ref, pod, &addrs, self.log)?;
+        Ok(())
+    }
+
     /// Pod and namespace from the API server, through the enablement selectors. With
     /// `enable_ambient_detection_retry`, Istio's 30 retries 1 s apart; otherwise a few quick ones.
-    fn is_ambient(&mut self) -> Result<bool, String> {
+    fn is_ambient(&mut self) -> Result<(bool, serde_json::Value), String> {
         let selectors = CompiledSelectors::compile(&self.conf.enablement_selectors)
             .map_err(|e| format!("enablement_selectors: {e}"))?;
         let kc = Kubeconfig::load(&self.conf.run_dir().join(KUBECONFIG_FILE))
@@ -227,8 +235,9 @@ impl Ambient<'_> {
                 .and_then(|pod| Ok((pod, api.get_namespace(ns)?)));
             match lookup {
                 Ok((pod, namespace)) => {
-                    return Ok(selectors
-                        .matches(&PodView::from_pod_json(&pod), &labels_from_json(&namespace)));
+                    let ambient = selectors
+                        .matches(&PodView::from_pod_json(&pod), &labels_from_json(&namespace));
+                    return Ok((ambient, pod));
                 }
                 Err(e) => {
                     last = e.to_string();
@@ -244,4 +253,40 @@ impl Ambient<'_> {
         }
         Err(last)
     }
+}
+
+/// The Pod for the sidecar decision with ambient disabled: Istio's 30 attempts 1 s apart; a pod
+/// that cannot be read fails the ADD (a sidecar pod must not start unredirected).
+fn get_pod_for_sidecar(
+    conf: &PluginConf,
+    namespace: &str,
+    name: &str,
+    log: &mut Log,
+) -> Result<serde_json::Value, CniError> {
+    let fail = |e: String| {
+        CniError::internal(format!(
+            "cannot read pod {namespace}/{name} to decide on sidecar redirection: {e}"
+        ))
+    };
+    let kc =
+        Kubeconfig::load(&conf.run_dir().join(KUBECONFIG_FILE)).map_err(|e| fail(e.to_string()))?;
+    let api = ApiClient::new(kc, API_TIMEOUT).map_err(|e| fail(e.to_string()))?;
+    let attempts = 30;
+    let mut last = String::new();
+    for attempt in 1..=attempts {
+        match api.get_pod(namespace, name) {
+            Ok(pod) => return Ok(pod),
+            Err(e) => {
+                last = e.to_string();
+                log.debug(
+                    "pod lookup failed",
+                    &[("attempt", &attempt.to_string()), ("error", &last)],
+                );
+            }
+        }
+        if attempt < attempts {
+            sleep(Duration::from_secs(1));
+        }
+    }
+    Err(fail(last))
 }

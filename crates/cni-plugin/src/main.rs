@@ -7,6 +7,7 @@ mod http;
 mod kube;
 mod log;
 mod run;
+mod sidecar;
 mod tls;
 
 use cni_core::cni::EnvSource;

@@ -286,6 +286,9 @@ fn excluded_namespace_passes_without_contacting_the_agent() {
 fn ambient_disabled_passes_without_contacting_the_agent() {
     let dir = tempfile::tempdir().unwrap();
     let a = agent(dir.path(), 500, "must not be called");
+    // With ambient off the plugin reads the pod only to decide on sidecar redirection.
+    let api = api_server(json!({"app": "web"}), json!({}));
+    write_kubeconfig(dir.path(), api.port);
     assert_eq!(
         ok(&add(POD_ARGS, &conf(dir.path(), false, Some(PREV)))),
         PREV
