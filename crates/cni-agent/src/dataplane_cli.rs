@@ -25,6 +25,9 @@ pub enum Target {
     Inpod(InpodArgs),
     /// Probe SNAT rules (and probe address sets) in this process's (host) namespace.
     Host(HostArgs),
+    /// Sidecar redirection inside a pod network namespace, from a Pod manifest, exactly as the
+    /// `istio-cni` plugin programs it.
+    Sidecar(SidecarArgs),
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +104,20 @@ pub struct HostArgs {
     pub proc_root: PathBuf,
 }
 
+#[derive(Args, Debug, Clone, PartialEq, Eq)]
+pub struct SidecarArgs {
+    #[arg(value_enum)]
+    pub action: Action,
+    /// Network namespace file (`/var/run/netns/<name>`, `/proc/<pid>/ns/net`).
+    #[arg(long)]
+    pub netns: PathBuf,
+    /// The Pod manifest (JSON or YAML, as `kubectl get pod -o json|yaml` prints it).
+    #[arg(long)]
+    pub pod: PathBuf,
+    #[command(flatten)]
+    pub common: Common,
+}
+
 fn options(c: &Common) -> BackendOptions {
     BackendOptions {
         force_iptables: c.force_iptables_binary.clone(),
@@ -129,7 +146,59 @@ pub fn run(args: DataplaneArgs) -> anyhow::Result<ExitCode> {
     match args.target {
         Target::Inpod(a) => inpod(a),
         Target::Host(a) => host(a),
+        Target::Sidecar(a) => sidecar(a),
     }
+}
+
+/// The sidecar config the plugin would derive for this manifest: IPv6 rules when asked for, or
+/// when the pod has an IPv6 address (the plugin takes the addresses from the previous plugin).
+fn sidecar_config(
+    a: &SidecarArgs,
+) -> anyhow::Result<Result<cni_core::redirect::sidecar::SidecarConfig, String>> {
+    use cni_core::redirect::sidecar::{Detection, detect, has_ipv6};
+    let text = std::fs::read_to_string(&a.pod)
+        .with_context(|| format!("cannot read {}", a.pod.display()))?;
+    // YAML is a superset of JSON, so one parser reads both manifest forms.
+    let pod: serde_json::Value = serde_yaml::from_str(&text)
+        .with_context(|| format!("{} is not a JSON or YAML manifest", a.pod.display()))?;
+    let ips = pod
+        .pointer("/status/podIPs")
+        .and_then(serde_json::Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip.get("ip")?.as_str()?.parse().ok());
+    let ipv6 = a.common.ipv6 || has_ipv6(ips);
+    Ok(match detect(&pod, ipv6)? {
+        Detection::Sidecar(cfg) => Ok(*cfg),
+        Detection::Skip(why) => Err(why),
+    })
+}
+
+fn sidecar(a: SidecarArgs) -> anyhow::Result<ExitCode> {
+    let cfg = match sidecar_config(&a)? {
+        Ok(cfg) => cfg,
+        Err(why) => {
+            println!("not a sidecar pod ({why}): nothing to program");
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+    let nftables = a.common.backend == BackendName::Nftables;
+    if a.common.dry_run {
+        print!("{}", dataplane::sidecar::render(nftables, &cfg));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let b = dataplane::sidecar::SidecarBackend::new(
+        a.common.backend.as_str(),
+        a.common.force_iptables_binary.as_deref(),
+        cfg.ipv6,
+    )?;
+    let netns = Netns::open(&a.netns)?;
+    match a.action {
+        Action::Apply => b.apply(&netns, &cfg).context("apply")?,
+        Action::Remove => b.remove(&netns, &cfg).context("remove")?,
+        Action::Verify => return Ok(report(b.verify(&netns, &cfg)?)),
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn inpod(a: InpodArgs) -> anyhow::Result<ExitCode> {
@@ -267,6 +336,129 @@ mod tests {
         assert_eq!(a.common.backend, BackendName::Nftables);
         assert!(!a.dns_capture && a.common.ipv6 && a.bypass_inbound);
         assert_eq!(a.reroute_virtual_interfaces, "vm0,vm1");
+    }
+
+    fn pod_file(dir: &std::path::Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    const SIDECAR_POD_YAML: &str = "apiVersion: v1
+kind: Pod
+metadata:
+  name: web-0
+  annotations:
+    sidecar.istio.io/status: '{}'
+    traffic.sidecar.istio.io/excludeOutboundPorts: '5555'
+spec:
+  containers:
+  - name: app
+  - name: istio-proxy
+    args: [proxy, sidecar]
+status:
+  podIPs:
+  - ip: 10.0.0.5
+  - ip: fd00::5
+";
+
+    fn sidecar_args(args: &[&str]) -> SidecarArgs {
+        let Target::Sidecar(a) = parse(args).unwrap() else {
+            panic!("not sidecar")
+        };
+        a
+    }
+
+    #[test]
+    fn sidecar_manifest_yaml_and_json_give_the_plugins_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = pod_file(dir.path(), "pod.yaml", SIDECAR_POD_YAML);
+        let a = sidecar_args(&[
+            "sidecar",
+            "apply",
+            "--netns",
+            "/nonexistent",
+            "--pod",
+            yaml.to_str().unwrap(),
+        ]);
+        let from_yaml = sidecar_config(&a).unwrap().unwrap();
+        assert_eq!(from_yaml.exclude_outbound_ports, [5555]);
+        assert!(from_yaml.ipv6, "the pod has an IPv6 address");
+
+        let value: serde_json::Value = serde_yaml::from_str(SIDECAR_POD_YAML).unwrap();
+        let json = pod_file(dir.path(), "pod.json", &value.to_string());
+        let a = sidecar_args(&[
+            "sidecar",
+            "apply",
+            "--netns",
+            "/nonexistent",
+            "--pod",
+            json.to_str().unwrap(),
+        ]);
+        assert_eq!(sidecar_config(&a).unwrap().unwrap(), from_yaml);
+    }
+
+    #[test]
+    fn sidecar_dry_run_prints_the_plugins_rules_and_bad_values_name_the_annotation() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = pod_file(dir.path(), "pod.yaml", SIDECAR_POD_YAML);
+        for backend in ["iptables", "nftables"] {
+            let a = sidecar_args(&[
+                "sidecar",
+                "apply",
+                "--netns",
+                "/nonexistent",
+                "--pod",
+                yaml.to_str().unwrap(),
+                "--backend",
+                backend,
+                "--dry-run",
+            ]);
+            assert_eq!(sidecar(a).unwrap(), ExitCode::SUCCESS);
+        }
+        let bad = SIDECAR_POD_YAML.replace("'5555'", "'55555555'");
+        let path = pod_file(dir.path(), "bad.yaml", &bad);
+        let a = sidecar_args(&[
+            "sidecar",
+            "apply",
+            "--netns",
+            "/nonexistent",
+            "--pod",
+            path.to_str().unwrap(),
+        ]);
+        let err = describe(&sidecar(a).unwrap_err());
+        assert!(
+            err.contains("traffic.sidecar.istio.io/excludeOutboundPorts"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sidecar_apply_verify_remove_in_a_real_netns() {
+        dataplane::require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = pod_file(dir.path(), "pod.yaml", SIDECAR_POD_YAML);
+        for backend in ["iptables", "nftables"] {
+            let ns = dataplane::test_support::TestNetns::new("cli-sc");
+            let run = |action: &str| {
+                sidecar(sidecar_args(&[
+                    "sidecar",
+                    action,
+                    "--netns",
+                    ns.path().to_str().unwrap(),
+                    "--pod",
+                    yaml.to_str().unwrap(),
+                    "--backend",
+                    backend,
+                ]))
+                .unwrap()
+            };
+            assert_eq!(run("verify"), ExitCode::FAILURE, "{backend}: absent");
+            assert_eq!(run("apply"), ExitCode::SUCCESS);
+            assert_eq!(run("verify"), ExitCode::SUCCESS, "{backend}: in sync");
+            assert_eq!(run("remove"), ExitCode::SUCCESS);
+            assert_eq!(run("verify"), ExitCode::FAILURE, "{backend}: removed");
+        }
     }
 
     #[test]

@@ -70,24 +70,7 @@ impl SidecarBackend {
 
     /// Exactly what `apply` programs, as text (dry runs).
     pub fn render(&self, cfg: &SidecarConfig) -> String {
-        let mut out = match self {
-            SidecarBackend::Iptables(_) => render_iptables(cfg),
-            SidecarBackend::Nftables(_) => cni_core::redirect::sidecar::nft::ruleset(cfg).render(),
-        };
-        if cfg.mode == InterceptionMode::Tproxy {
-            let p = TPROXY_POLICY;
-            out.push_str(&format!(
-                "# ip rule add fwmark {} lookup {} pref {}\n# ip route add local 0.0.0.0/0 dev lo table {}\n",
-                p.mark, p.table, p.priority, p.table
-            ));
-            if cfg.ipv6 {
-                out.push_str(&format!(
-                    "# ip -6 rule add fwmark {} lookup {} pref {}\n# ip -6 route add local ::/0 dev lo table {}\n",
-                    p.mark, p.table, p.priority, p.table
-                ));
-            }
-        }
-        out
+        render(self.name() == "nftables", cfg)
     }
 
     /// Programs routes (TPROXY only) then rules. On a pod that had none of our state, a
@@ -170,6 +153,30 @@ impl SidecarBackend {
         routes::remove_policy(netns, &TPROXY_POLICY)?;
         Ok(())
     }
+}
+
+/// What `apply` programs with the nftables (`nftables`) or iptables backend, as text; needs no
+/// privileges and detects nothing, so dry runs work anywhere.
+pub fn render(nftables: bool, cfg: &SidecarConfig) -> String {
+    let mut out = if nftables {
+        cni_core::redirect::sidecar::nft::ruleset(cfg).render()
+    } else {
+        render_iptables(cfg)
+    };
+    if cfg.mode == InterceptionMode::Tproxy {
+        let p = TPROXY_POLICY;
+        out.push_str(&format!(
+            "# ip rule add fwmark {} lookup {} pref {}\n# ip route add local 0.0.0.0/0 dev lo table {}\n",
+            p.mark, p.table, p.priority, p.table
+        ));
+        if cfg.ipv6 {
+            out.push_str(&format!(
+                "# ip -6 rule add fwmark {} lookup {} pref {}\n# ip -6 route add local ::/0 dev lo table {}\n",
+                p.mark, p.table, p.priority, p.table
+            ));
+        }
+    }
+    out
 }
 
 fn rules_for(
