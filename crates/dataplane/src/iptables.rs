@@ -332,6 +332,21 @@ impl IptablesBackend {
             }
             Err(e) => return Err(e),
         };
+        let empty = current.tables.values().all(|chains| {
+            chains
+                .iter()
+                .all(|(name, rules)| rules.is_empty() && !name.starts_with(CHAIN_PREFIX))
+        });
+        if empty {
+            // Nothing at all is installed (a fresh pod): no need to learn the canonical form
+            // (a scratch namespace and two tool runs) to know none of it is ours.
+            let verdict = if rules.is_empty() {
+                RuleState::InSync
+            } else {
+                RuleState::Absent
+            };
+            return Ok((current, verdict, Vec::new()));
+        }
         let desired = self.canonical(family, rules, prep)?;
         let claims = if claim == rules {
             desired.claims.clone()

@@ -10,10 +10,13 @@ use cni_core::redirect::sidecar::{
     InterceptionMode, SidecarConfig, TPROXY_MARK, TPROXY_ROUTE_TABLE, families, iptables_rules,
 };
 
+use cni_core::redirect::nft::diff as nft_diff;
+use cni_core::redirect::sidecar::nft as sidecar_nft;
+
 use crate::inpod::RuleState;
 use crate::iptables::{IptablesBackend, IptablesError};
 use crate::netns::Netns;
-use crate::nft::{NftError, NftablesBackend};
+use crate::nft::{NftError, NftablesBackend, wire};
 use crate::routes::{self, Policy, RouteError};
 
 /// `ip rule add fwmark 1337 lookup 133`: the kernel gives a rule without a priority the one
@@ -73,41 +76,64 @@ impl SidecarBackend {
         render(self.name() == "nftables", cfg)
     }
 
-    /// Programs routes (TPROXY only) then rules. On a pod that had none of our state, a
-    /// failure removes what was added, so the error leaves the pod as it was.
+    /// Programs routes (TPROXY only) then rules. Each backend changes the rules in one
+    /// transaction (and undoes a half-programmed fresh pod itself); routes this call added are
+    /// removed again when the rules fail, so an error leaves the pod as it was.
     pub fn apply(&self, netns: &Netns, cfg: &SidecarConfig) -> Result<(), SidecarError> {
-        let fresh = self.verify(netns, cfg)? == RuleState::Absent;
-        let result = self.apply_unchecked(netns, cfg);
+        let tproxy = cfg.mode == InterceptionMode::Tproxy;
+        let routes_fresh = tproxy
+            && routes::read_policy(netns, cfg.ipv6, &TPROXY_POLICY)?
+                .present
+                .is_empty();
+        let result = if tproxy {
+            routes::apply_policy(netns, cfg.ipv6, &TPROXY_POLICY).map_err(SidecarError::from)
+        } else {
+            Ok(())
+        }
+        .and_then(|()| self.apply_rules(netns, cfg));
         match result {
-            Err(first) if fresh => match self.remove(netns, cfg) {
+            Err(first) if routes_fresh => match routes::remove_policy(netns, &TPROXY_POLICY) {
                 Ok(()) => Err(first),
                 Err(cleanup) => Err(SidecarError::RollbackFailed {
                     first: Box::new(first),
-                    cleanup: Box::new(cleanup),
+                    cleanup: Box::new(cleanup.into()),
                 }),
             },
             other => other,
         }
     }
 
-    fn apply_unchecked(&self, netns: &Netns, cfg: &SidecarConfig) -> Result<(), SidecarError> {
-        if cfg.mode == InterceptionMode::Tproxy {
-            routes::apply_policy(netns, cfg.ipv6, &TPROXY_POLICY)?;
-        }
+    fn apply_rules(&self, netns: &Netns, cfg: &SidecarConfig) -> Result<(), SidecarError> {
         match self {
             SidecarBackend::Iptables(b) => {
                 b.converge_pod(netns, rules_for(cfg))?;
             }
-            SidecarBackend::Nftables(b) => {
-                let desired = cni_core::redirect::sidecar::nft::ruleset(cfg);
-                let mut batch = crate::nft::wire::Batch::default();
-                batch.replace_tables(&desired);
-                for name in cni_core::redirect::sidecar::nft::TABLES {
-                    if desired.table(name).is_none() {
-                        batch.ensure_no_table(name);
+            SidecarBackend::Nftables(_) => {
+                let desired = sidecar_nft::ruleset(cfg);
+                crate::nft::with_socket(netns, move |sock| {
+                    let actual = wire::read_tables(sock, &sidecar_nft::TABLES)?;
+                    let mut batch = wire::Batch::default();
+                    if actual.tables.is_empty() {
+                        // A fresh pod (every ADD): only additions. Deleting nothing also spares
+                        // the socket close (and so the plugin's exit) an RCU grace period.
+                        for table in &desired.tables {
+                            batch.add_table(&table.name);
+                            batch.add_contents(table);
+                        }
+                    } else {
+                        let (missing, unexpected) = nft_diff(&desired, &actual);
+                        if missing.is_empty() && unexpected.is_empty() {
+                            return Ok(());
+                        }
+                        batch.replace_tables(&desired);
+                        for table in &actual.tables {
+                            if desired.table(&table.name).is_none() {
+                                batch.ensure_no_table(&table.name);
+                            }
+                        }
                     }
-                }
-                b.commit(netns, batch)?;
+                    batch.commit(sock)
+                })?;
             }
         }
         Ok(())
