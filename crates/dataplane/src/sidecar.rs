@@ -5,13 +5,12 @@
 //! default dev lo table 133`). Re-applying the same config changes nothing; a drifted state is
 //! replaced, never duplicated.
 
-use cni_core::redirect::iptables::{Family, restore_text};
+use cni_core::redirect::iptables::{Family, Rule, restore_text};
+use cni_core::redirect::nft::diff as nft_diff;
+use cni_core::redirect::sidecar::nft as sidecar_nft;
 use cni_core::redirect::sidecar::{
     InterceptionMode, SidecarConfig, TPROXY_MARK, TPROXY_ROUTE_TABLE, families, iptables_rules,
 };
-
-use cni_core::redirect::nft::diff as nft_diff;
-use cni_core::redirect::sidecar::nft as sidecar_nft;
 
 use crate::inpod::RuleState;
 use crate::iptables::{IptablesBackend, IptablesError};
@@ -145,13 +144,13 @@ impl SidecarBackend {
             SidecarBackend::Iptables(b) => Ok(b.verify_pod(netns, rules_for(cfg))?),
             SidecarBackend::Nftables(_) => {
                 let actual = crate::nft::with_socket(netns, |sock| {
-                    crate::nft::wire::read_tables(sock, &cni_core::redirect::sidecar::nft::TABLES)
+                    wire::read_tables(sock, &sidecar_nft::TABLES)
                 })?;
                 if actual.tables.is_empty() {
                     return Ok(RuleState::Absent);
                 }
-                let desired = cni_core::redirect::sidecar::nft::ruleset(cfg);
-                let (missing, unexpected) = cni_core::redirect::nft::diff(&desired, &actual);
+                let desired = sidecar_nft::ruleset(cfg);
+                let (missing, unexpected) = nft_diff(&desired, &actual);
                 if missing.is_empty() && unexpected.is_empty() {
                     Ok(RuleState::InSync)
                 } else {
@@ -169,8 +168,8 @@ impl SidecarBackend {
         match self {
             SidecarBackend::Iptables(b) => b.remove_pod(netns, rules_for(cfg))?,
             SidecarBackend::Nftables(b) => {
-                let mut batch = crate::nft::wire::Batch::default();
-                for name in cni_core::redirect::sidecar::nft::TABLES {
+                let mut batch = wire::Batch::default();
+                for name in sidecar_nft::TABLES {
                     batch.ensure_no_table(name);
                 }
                 b.commit(netns, batch)?;
@@ -185,7 +184,7 @@ impl SidecarBackend {
 /// privileges and detects nothing, so dry runs work anywhere.
 pub fn render(nftables: bool, cfg: &SidecarConfig) -> String {
     let mut out = if nftables {
-        cni_core::redirect::sidecar::nft::ruleset(cfg).render()
+        sidecar_nft::ruleset(cfg).render()
     } else {
         render_iptables(cfg)
     };
@@ -205,9 +204,7 @@ pub fn render(nftables: bool, cfg: &SidecarConfig) -> String {
     out
 }
 
-fn rules_for(
-    cfg: &SidecarConfig,
-) -> impl Fn(Family) -> Vec<cni_core::redirect::iptables::Rule> + '_ {
+fn rules_for(cfg: &SidecarConfig) -> impl Fn(Family) -> Vec<Rule> + '_ {
     move |family| {
         if families(cfg).contains(&family) {
             iptables_rules(cfg, family)
