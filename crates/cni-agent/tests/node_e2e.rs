@@ -385,3 +385,54 @@ async fn app_traffic_goes_through_the_ztunnel_listeners() {
     );
     assert!(peer.status().workloads.is_empty(), "{:#?}", peer.status());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_reboot_reenrolls_pods_through_their_new_sandboxes() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Iptables).await;
+    let peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let (mut pod, result) = node.create_pod("mesh", "rebooted", &[]).await;
+    result.unwrap();
+    node.wait_redirection(&pod, Some("enabled")).await;
+
+    // Reboot: the agent stops without cleanup, every sandbox namespace is gone, and the agent's
+    // run dir (a tmpfs on the host) is empty; the Pod object keeps its `enabled` annotation.
+    node.kill_agent();
+    pod.netns = dataplane::test_support::TestNetns::new("pod");
+    pod.container_id = format!("{}-after-reboot", pod.container_id);
+    std::fs::remove_dir_all(node.path("run")).unwrap();
+    std::fs::create_dir(node.path("run")).unwrap();
+    let connects = peer.status().connects;
+    node.start_agent();
+    node.wait_ready().await;
+
+    // The old namespace cannot be found: ztunnel is told to keep the pod (not drop it) until the
+    // runtime recreates the sandbox.
+    let st = peer
+        .wait_for("snapshot after restart", Duration::from_secs(15), |s| {
+            s.connects > connects && s.snapshot_received
+        })
+        .await
+        .unwrap();
+    assert!(
+        st.log
+            .iter()
+            .rev()
+            .any(|e| e == &format!("keep {}", pod.uid)),
+        "{:?}",
+        st.log
+    );
+
+    node.sandbox_add(&mut pod)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    let st = peer.status();
+    assert_eq!(
+        st.workloads[&pod.uid].netns(),
+        pod.netns.open().id(),
+        "ztunnel must get the new sandbox"
+    );
+    assert!(iptables_rules(&pod.netns).contains("ISTIO_OUTPUT"));
+    assert_eq!(node.redirection(&pod).await.as_deref(), Some("enabled"));
+}

@@ -11,7 +11,7 @@
 //!   - `{"decision":"enrolled"}`: the pod is redirected and ztunnel acked it;
 //!   - `{"decision":"not-ambient","reason":"..."}`: the pod is not for the ambient mesh;
 //!   - `{"decision":"sidecar","pod":{...}}`: a sidecar pod, with the Pod object the agent saw
-//!     (the plugin will program sidecar rules from it; until then it lets the pod through).
+//!     (the plugin programs the sidecar redirect rules from it, in `CNI_NETNS`).
 //!
 //!   Any other status fails the ADD with the response body (fail closed): the runtime retries
 //!   the sandbox. A 404 means the agent predates this endpoint (Istio's own agent); the plugin then

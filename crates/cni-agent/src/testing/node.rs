@@ -51,7 +51,7 @@ pub enum Identity {
 
 /// Debian's reference plugins.
 const DEBIAN_CNI: &str = "/usr/lib/cni";
-const POD_CIDR: &str = "10.88.0.0/24";
+const POD_CIDR: &str = "10.88.0.0/16";
 
 pub struct TestNode {
     pub kube: KubeTestEnv,
@@ -275,6 +275,16 @@ impl TestNode {
         }
     }
 
+    /// The agent's resident memory, from `/proc/<pid>/status` (`VmRSS`), in KiB.
+    pub fn agent_rss_kib(&self) -> Option<u64> {
+        let pid = self.agent.as_ref()?.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
     pub fn agent_log(&self) -> String {
         let log = std::fs::read_to_string(self.path("agent.log")).unwrap_or_default();
         let lines: Vec<&str> = log.lines().collect();
@@ -368,6 +378,19 @@ impl TestNode {
         name: &str,
         labels: &[(&str, &str)],
     ) -> (TestPod, Result<Value, CniRuntimeError>) {
+        let mut pod = self.create_pod_object(namespace, name, labels).await;
+        let result = self.sandbox_add(&mut pod).await;
+        (pod, result)
+    }
+
+    /// Only the Pod object (scheduled here) and its still unconnected sandbox namespace; the caller
+    /// runs [`sandbox_add`](Self::sandbox_add) when it wants (benchmarks time just the ADD).
+    pub async fn create_pod_object(
+        &self,
+        namespace: &str,
+        name: &str,
+        labels: &[(&str, &str)],
+    ) -> TestPod {
         let labels: serde_json::Map<String, Value> = labels
             .iter()
             .map(|(k, v)| (k.to_string(), Value::from(*v)))
@@ -384,7 +407,7 @@ impl TestNode {
             .await
             .unwrap();
         let uid = created.metadata.uid.clone().unwrap();
-        let mut test_pod = TestPod {
+        TestPod {
             // Unique per pod object, as a runtime's sandbox IDs are.
             container_id: uid.replace('-', ""),
             namespace: namespace.into(),
@@ -392,9 +415,7 @@ impl TestNode {
             uid,
             netns: TestNetns::new("pod"),
             ip: None,
-        };
-        let result = self.sandbox_add(&mut test_pod).await;
-        (test_pod, result)
+        }
     }
 
     /// Runs CNI ADD for the pod's sandbox (in a blocking thread: the agent may take a while) and,
