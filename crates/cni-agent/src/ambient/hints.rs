@@ -15,6 +15,7 @@ use dataplane::netns::Netns;
 
 use crate::procfs::{HostNetns, NetnsOpener};
 
+#[derive(Clone)]
 pub struct NetnsHints {
     dir: PathBuf,
 }

@@ -402,12 +402,30 @@ impl Mesh {
             tracing::info!("some enrolled pods have no IPs yet; not pruning the probe set");
         }
         let started = Instant::now();
-        let mut found = HashMap::new();
-        for (uid, (_, w)) in &wanted {
-            if let Some(ns) = self.hints.open_verified(uid, &w.ips, &self.host_prefix) {
-                found.insert(uid.clone(), ns);
-            }
-        }
+        let mut found: HashMap<String, Netns> = {
+            use futures::StreamExt;
+            let lookups: Vec<_> = wanted
+                .iter()
+                .map(|(uid, (_, w))| {
+                    let (hints, prefix) = (self.hints.clone(), self.host_prefix.clone());
+                    let (uid, ips) = (uid.clone(), w.ips.clone());
+                    async move {
+                        let ns = tokio::task::spawn_blocking(move || {
+                            hints.open_verified(&uid, &ips, &prefix).map(|ns| (uid, ns))
+                        })
+                        .await
+                        .ok()
+                        .flatten();
+                        ns
+                    }
+                })
+                .collect();
+            let hits: Vec<Option<(String, Netns)>> = futures::stream::iter(lookups)
+                .buffer_unordered(PARALLEL_NETNS_WORK)
+                .collect()
+                .await;
+            hits.into_iter().flatten().collect()
+        };
         let lookup: HashMap<String, WantedPod> = wanted
             .iter()
             .filter(|(uid, _)| !found.contains_key(*uid))
@@ -443,42 +461,55 @@ impl Mesh {
     /// them where they drifted (someone flushed a table, a rule was deleted or added). Returns how
     /// many pods were repaired.
     pub async fn repair_drift(&self, pods: &[Arc<Pod>]) -> usize {
-        let mut repaired = 0;
-        for pod in pods {
-            let Some(uid) = pod.metadata.uid.as_deref() else {
-                continue;
-            };
-            let Some(netns) = self.cache.get(uid).and_then(|e| e.netns) else {
-                continue;
-            };
-            let Ok(cfg) = self.pod_config(pod) else {
-                continue;
-            };
-            let rules = self.rules.clone();
-            let result = tokio::task::spawn_blocking(move || match rules.verify(&netns, &cfg)? {
-                RuleState::InSync => Ok(None),
-                state => rules.enroll(&netns, &cfg).map(|()| Some(state)),
-            })
-            .await
-            .unwrap_or_else(|e| Err(e.to_string().into()));
-            match result {
-                Ok(None) => {}
-                Ok(Some(was)) => {
-                    repaired += 1;
-                    let label = BackendLabel {
-                        backend: self.rules.backend().to_string(),
-                    };
-                    self.metrics.drift_repairs.get_or_create(&label).inc();
-                    tracing::warn!(pod = %name(pod), ?was, "in-pod rules drifted; re-applied");
-                }
-                Err(e) => {
-                    tracing::error!(pod = %name(pod), error = %e, "cannot check or repair in-pod rules")
-                }
+        use futures::StreamExt;
+        // Futures collected first: a closure inside the stream would make the whole reconciler
+        // future lose `Send` (a known higher-ranked lifetime limit).
+        let checks: Vec<_> = pods.iter().map(|pod| self.repair_one(pod)).collect();
+        let results: Vec<bool> = futures::stream::iter(checks)
+            .buffer_unordered(PARALLEL_NETNS_WORK)
+            .collect()
+            .await;
+        results.into_iter().filter(|repaired| *repaired).count()
+    }
+
+    async fn repair_one(&self, pod: &Arc<Pod>) -> bool {
+        let Some(uid) = pod.metadata.uid.as_deref() else {
+            return false;
+        };
+        let Some(netns) = self.cache.get(uid).and_then(|e| e.netns) else {
+            return false;
+        };
+        let Ok(cfg) = self.pod_config(pod) else {
+            return false;
+        };
+        let rules = self.rules.clone();
+        let result = tokio::task::spawn_blocking(move || match rules.verify(&netns, &cfg)? {
+            RuleState::InSync => Ok(None),
+            state => rules.enroll(&netns, &cfg).map(|()| Some(state)),
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string().into()));
+        match result {
+            Ok(None) => false,
+            Ok(Some(was)) => {
+                let label = BackendLabel {
+                    backend: self.rules.backend().to_string(),
+                };
+                self.metrics.drift_repairs.get_or_create(&label).inc();
+                tracing::warn!(pod = %name(pod), ?was, "in-pod rules drifted; re-applied");
+                true
+            }
+            Err(e) => {
+                tracing::error!(pod = %name(pod), error = %e, "cannot check or repair in-pod rules");
+                false
             }
         }
-        repaired
     }
 }
+
+/// Pods whose namespaces are checked at once (startup restore, drift checks): enough to overlap
+/// the kernel's waits, few enough not to starve CNI ADDs on a small node.
+const PARALLEL_NETNS_WORK: usize = 8;
 
 fn ns_name(pod: &Pod) -> (&str, &str) {
     (
