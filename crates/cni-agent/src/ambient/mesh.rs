@@ -410,13 +410,12 @@ impl Mesh {
                     let (hints, prefix) = (self.hints.clone(), self.host_prefix.clone());
                     let (uid, ips) = (uid.clone(), w.ips.clone());
                     async move {
-                        let ns = tokio::task::spawn_blocking(move || {
+                        tokio::task::spawn_blocking(move || {
                             hints.open_verified(&uid, &ips, &prefix).map(|ns| (uid, ns))
                         })
                         .await
                         .ok()
-                        .flatten();
-                        ns
+                        .flatten()
                     }
                 })
                 .collect();
