@@ -436,3 +436,64 @@ async fn node_reboot_reenrolls_pods_through_their_new_sandboxes() {
     assert!(iptables_rules(&pod.netns).contains("ISTIO_OUTPUT"));
     assert_eq!(node.redirection(&pod).await.as_deref(), Some("enabled"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_rows_terminated_deleted_excluded_host_network() {
+    dataplane::require_root!();
+    use kube::api::{Patch, PatchParams, PostParams};
+    let node = TestNode::start(Backend::Nftables).await;
+    let peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    // kube-system exists already (the API server creates it): label it ambient.
+    node.label_namespace("kube-system", AMBIENT.0, Some(AMBIENT.1))
+        .await;
+
+    // A job's pod finishes: terminal phase, IPs gone from the status → removed from the mesh.
+    let (job, r) = node.create_pod("mesh", "job", &[]).await;
+    r.unwrap();
+    wait_peer_has(&peer, &job.uid, true).await;
+    let done = serde_json::json!({"status": {"phase": "Succeeded", "podIP": null, "podIPs": null}});
+    node.pods("mesh")
+        .patch_status("job", &PatchParams::default(), &Patch::Merge(&done))
+        .await
+        .unwrap();
+    wait_peer_has(&peer, &job.uid, false).await;
+    node.wait_redirection(&job, None).await;
+
+    // A deleted pod: ztunnel is told to drop it.
+    let (gone, r) = node.create_pod("mesh", "gone", &[]).await;
+    r.unwrap();
+    wait_peer_has(&peer, &gone.uid, true).await;
+    node.delete_pod(&gone).await;
+    wait_peer_has(&peer, &gone.uid, false).await;
+
+    // EXCLUDE_NAMESPACES wins over a namespace's ambient label.
+    let (excluded, r) = node.create_pod("kube-system", "dns", &[]).await;
+    r.unwrap();
+    assert_eq!(node.redirection(&excluded).await, None);
+    assert!(!peer.status().workloads.contains_key(&excluded.uid));
+
+    // A host-network pod in an ambient namespace is never enrolled (no sandbox of its own).
+    let host: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "hostnet"},
+        "spec": {"nodeName": node.node_name, "hostNetwork": true, "containers": [{"name": "c", "image": "c"}]}
+    }))
+    .unwrap();
+    node.pods("mesh")
+        .create(&PostParams::default(), &host)
+        .await
+        .unwrap();
+    let running = serde_json::json!({"status": {"phase": "Running", "podIP": "10.99.0.1", "podIPs": [{"ip": "10.99.0.1"}]}});
+    node.pods("mesh")
+        .patch_status("hostnet", &PatchParams::default(), &Patch::Merge(&running))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let host = node.pods("mesh").get("hostnet").await.unwrap();
+    let annotations = host.metadata.annotations.unwrap_or_default();
+    assert!(
+        !annotations.contains_key("ambient.istio.io/redirection"),
+        "{annotations:?}"
+    );
+    assert_eq!(peer.status().workloads.len(), 0, "{:#?}", peer.status());
+}
