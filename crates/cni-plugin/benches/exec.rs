@@ -50,7 +50,24 @@ fn main() {
         );
     }
     times.sort();
-    let ms = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1000.0;
+    // The same spawn/wait with /bin/true: what any exec costs here, plugin or not.
+    let mut floor: Vec<Duration> = (0..RUNS)
+        .map(|_| {
+            let started = Instant::now();
+            let status = Command::new("/bin/true")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .status()
+                .unwrap();
+            assert!(status.success());
+            started.elapsed()
+        })
+        .collect();
+    floor.sort();
+    let pct = |v: &[Duration], p: f64| {
+        v[((v.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1000.0
+    };
+    let ms = |p: f64| pct(&times, p);
     let size = std::fs::metadata(bin).map(|m| m.len()).unwrap_or(0);
     println!("| measurement | result |");
     println!("|---|---|");
@@ -58,6 +75,11 @@ fn main() {
         "| pass-through ADD exec, n={RUNS} | median {:.2} ms, p99 {:.2} ms |",
         ms(0.5),
         ms(0.99)
+    );
+    println!(
+        "| `/bin/true` exec with the same harness (floor) | median {:.2} ms, p99 {:.2} ms |",
+        pct(&floor, 0.5),
+        pct(&floor, 0.99)
     );
     println!(
         "| `istio-cni` binary (bench profile = release, stripped) | {:.2} MiB |",
