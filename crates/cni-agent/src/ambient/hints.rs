@@ -64,6 +64,7 @@ impl NetnsHints {
     /// one of `ips`; `None` otherwise (no hint, gone, reused by another pod, or no IPs to check).
     pub fn open_verified(&self, uid: &str, ips: &[IpAddr], host_prefix: &Path) -> Option<Netns> {
         if !valid_uid(uid) || ips.is_empty() {
+            tracing::debug!(uid, ?ips, "no netns hint check: invalid uid or no pod IPs");
             return None;
         }
         let path = std::fs::read_to_string(self.dir.join(uid)).ok()?;
@@ -74,7 +75,13 @@ impl NetnsHints {
         {
             return None;
         }
-        let netns = HostNetns.open(&host_prefix.join(relative)).ok()?;
+        let netns = match HostNetns.open(&host_prefix.join(relative)) {
+            Ok(ns) => ns,
+            Err(e) => {
+                tracing::debug!(uid, path = %path.trim(), error = %e, "netns hint not usable");
+                return None;
+            }
+        };
         match HostNetns.owns(&netns, ips) {
             Ok(true) => Some(netns),
             Ok(false) => {
