@@ -283,7 +283,13 @@ async fn start_ambient(
     for attempt in 1..=HOST_SETUP_ATTEMPTS {
         let dp = dataplane.clone();
         match tokio::task::spawn_blocking(move || dp.setup_host()).await? {
-            Ok(()) => break,
+            Ok(()) => {
+                tracing::info!(
+                    backend = crate::ambient::mesh::PodRules::backend(&*dataplane),
+                    "host probe rules in place"
+                );
+                break;
+            }
             Err(e) if attempt == HOST_SETUP_ATTEMPTS => anyhow::bail!("host probe rules: {e}"),
             Err(e) => {
                 tracing::warn!(error = %e, attempt, "host probe rules failed; retrying");

@@ -196,6 +196,7 @@ pub fn spawn_watches(
 
     tokio::spawn(async move {
         if pods_synced.await.is_ok() && ns_synced.await.is_ok() {
+            tracing::info!("pod and namespace watches synced");
             synced.set(true);
             let _ = tx.send(ClusterEvent::Synced);
         }

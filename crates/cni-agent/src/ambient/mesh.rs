@@ -50,6 +50,12 @@ pub trait ProbeSet: Send + Sync + 'static {
     fn remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError>;
     /// Deletes every entry whose IP is not in `keep`.
     fn prune(&self, keep: &HashSet<IpAddr>) -> Result<(), BoxError>;
+    /// Many upserts at once (startup restore); one transaction where the backend has them.
+    fn upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
+        entries
+            .iter()
+            .try_for_each(|(ip, uid)| self.upsert(*ip, uid))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -368,6 +374,7 @@ impl Mesh {
         let mut keep = HashSet::new();
         let mut complete = true;
         let mut wanted = HashMap::new();
+        let mut entries = Vec::new();
         for pod in pods {
             let Some(uid) = pod.metadata.uid.clone() else {
                 continue;
@@ -377,9 +384,7 @@ impl Mesh {
             for ip in &f.ips {
                 let ip = unmap(*ip);
                 keep.insert(ip);
-                if let Err(e) = self.probes.upsert(ip, &uid) {
-                    tracing::warn!(pod = %name(pod), %ip, error = %e, "cannot restore probe set entry");
-                }
+                entries.push((ip, uid.clone()));
             }
             let workload = workload_info(pod);
             self.cache.ensure_with(&uid, workload.clone());
@@ -393,6 +398,13 @@ impl Mesh {
                     },
                 ),
             );
+        }
+        let probes = self.probes.clone();
+        let restored = tokio::task::spawn_blocking(move || probes.upsert_many(&entries))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string().into()));
+        if let Err(e) = restored {
+            tracing::warn!(error = %e, "cannot restore the probe set entries of enrolled pods");
         }
         if complete {
             if let Err(e) = self.probes.prune(&keep) {

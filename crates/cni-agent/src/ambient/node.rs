@@ -156,6 +156,22 @@ impl ProbeSet for NodeDataplane {
         Ok(())
     }
 
+    fn upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
+        match &self.backend {
+            Backend::Nftables { host } => {
+                let refs: Vec<(IpAddr, &str)> = entries
+                    .iter()
+                    .map(|(ip, uid)| (*ip, uid.as_str()))
+                    .collect();
+                ProbeSets { ipv6: host.ipv6 }.upsert_many(&self.host, &refs)?;
+                Ok(())
+            }
+            Backend::Iptables(_) => entries
+                .iter()
+                .try_for_each(|(ip, uid)| self.upsert(*ip, uid)),
+        }
+    }
+
     fn prune(&self, keep: &HashSet<IpAddr>) -> Result<(), BoxError> {
         match &self.backend {
             Backend::Iptables(_) => {

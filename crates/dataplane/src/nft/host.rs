@@ -20,6 +20,7 @@ use super::wire::{Batch, change, find_tlv, nul_terminated, push_tlv, string_of};
 use super::{NftError, with_socket};
 use crate::netlink::{NetlinkError, NetlinkSocket};
 use crate::netns::Netns;
+use netlink_packet_core::NLM_F_EXCL;
 
 /// libnftnl user-data TLV of a set element's comment.
 const UDATA_SET_ELEM_COMMENT: u8 = 0;
@@ -132,29 +133,58 @@ impl ProbeSets {
     /// Adds `ip` tagged with `pod_uid`, replacing the tag of an existing entry, in one batch.
     /// Returns false when the address was skipped (IPv6 disabled).
     pub fn upsert(&self, netns: &Netns, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
-        let ip = canonical(ip);
-        let Some(set) = self.set_for(ip) else {
-            return Ok(false);
-        };
-        let mut udata = Vec::new();
-        push_tlv(&mut udata, UDATA_SET_ELEM_COMMENT, &nul_terminated(pod_uid));
-        let mut batch = Batch::default();
-        // Create-then-delete makes the delete valid whether or not the entry existed.
-        batch.push(change(element_msg(&set, vec![vec![key(ip)]], false), 0));
-        batch.push(change(element_msg(&set, vec![vec![key(ip)]], true), 0));
-        batch.push(change(
-            element_msg(
-                &set,
-                vec![vec![key(ip), SetElementAttribute::UserData(udata)]],
-                false,
-            ),
-            0,
-        ));
-        with_socket(netns, move |sock| batch.commit(sock))?;
-        Ok(true)
+        Ok(self.upsert_many(netns, &[(ip, pod_uid)])? > 0)
     }
 
-    /// Every entry of the probe sets.
+    /// [`upsert`](Self::upsert) for many entries in one transaction (agent restart restores every
+    /// enrolled pod at once). Returns how many entries were not skipped.
+    ///
+    /// New addresses (the common case: a pod just got its IP) are only added. Replacing a tag
+    /// needs a delete, and a commit after a delete waits for the kernel to free the old element
+    /// (an RCU grace period, ~15 ms here) — paid only when an address really is reused.
+    pub fn upsert_many(
+        &self,
+        netns: &Netns,
+        entries: &[(IpAddr, &str)],
+    ) -> Result<usize, NftError> {
+        let elems: Vec<(String, IpAddr, Vec<u8>)> = entries
+            .iter()
+            .filter_map(|(ip, uid)| {
+                let ip = canonical(*ip);
+                let set = self.set_for(ip)?;
+                let mut udata = Vec::new();
+                push_tlv(&mut udata, UDATA_SET_ELEM_COMMENT, &nul_terminated(uid));
+                Some((set, ip, udata))
+            })
+            .collect();
+        if elems.is_empty() {
+            return Ok(0);
+        }
+        let tagged = |set: &str, ip: IpAddr, udata: &[u8]| {
+            element_msg(
+                set,
+                vec![vec![key(ip), SetElementAttribute::UserData(udata.to_vec())]],
+                false,
+            )
+        };
+        let mut add_only = Batch::default();
+        for (set, ip, udata) in &elems {
+            add_only.push(change(tagged(set, *ip, udata), NLM_F_EXCL));
+        }
+        let mut replace = Batch::default();
+        for (set, ip, udata) in &elems {
+            // Create-then-delete makes the delete valid whether or not the entry existed.
+            replace.push(change(element_msg(set, vec![vec![key(*ip)]], false), 0));
+            replace.push(change(element_msg(set, vec![vec![key(*ip)]], true), 0));
+            replace.push(change(tagged(set, *ip, udata), 0));
+        }
+        with_socket(netns, move |sock| match add_only.commit(sock) {
+            Err(e) if e.errno() == Some(libc::EEXIST) => replace.commit(sock),
+            other => other,
+        })?;
+        Ok(elems.len())
+    }
+
     pub fn list(&self, netns: &Netns) -> Result<Vec<ProbeEntry>, NftError> {
         let sets: Vec<String> = std::iter::once(probe_set_name(false))
             .chain(self.ipv6.then(|| probe_set_name(true)))
