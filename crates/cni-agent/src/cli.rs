@@ -205,8 +205,11 @@ pub fn main() -> ExitCode {
             ExitCode::from(2)
         });
     }
+    // Netns work runs on blocking threads; a burst of sandbox ADDs must not grow the pool (and
+    // glibc's per-thread arenas, i.e. RSS) to one thread per pod on a 2-core node.
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .max_blocking_threads(16)
         .enable_all()
         .build()
     {
