@@ -5,30 +5,14 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use cni_agent::testing::cni_runtime::{CniRuntime, CniRuntimeError, PluginRun, Sandbox};
+use cni_agent::testing::node::binary_dir;
 use cni_core::cmdadd::CmdAddRequest;
 use dataplane::test_support::TestNetns;
 use serde_json::{Value, json};
-
-/// `target/<profile>/istio-cni`, built by `cargo build --workspace --bins` (scripts/test does).
-fn plugin_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/cni_chain-<hash> → target/<profile>
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .to_owned();
-    assert!(
-        dir.join("istio-cni").is_file(),
-        "{} is missing: build the plugin first (cargo build --workspace --bins)",
-        dir.join("istio-cni").display()
-    );
-    dir
-}
 
 const DEBIAN_CNI_PLUGINS: &str = "/usr/lib/cni";
 
@@ -186,7 +170,7 @@ impl Case {
         }
         let runtime = CniRuntime::new(
             &conflist.to_string(),
-            vec![plugin_dir(), DEBIAN_CNI_PLUGINS.into()],
+            vec![binary_dir(), DEBIAN_CNI_PLUGINS.into()],
         )
         .unwrap()
         .in_netns(node.open())

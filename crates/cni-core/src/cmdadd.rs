@@ -237,11 +237,11 @@ fn parse_go_ip_config(v: &Value) -> Result<IpConfig, CmdAddError> {
     let ip_text = get_ci(address, "IP")
         .and_then(Value::as_str)
         .unwrap_or_default();
-    let ip = unmap(
-        ip_text
-            .parse::<IpAddr>()
-            .map_err(|_| CmdAddError::Ip(ip_text.to_owned()))?,
-    );
+    // IPv4-mapped IPv6 addresses are IPv4 addresses (Go stores IPv4 in 16 bytes).
+    let ip = ip_text
+        .parse::<IpAddr>()
+        .map_err(|_| CmdAddError::Ip(ip_text.to_owned()))?
+        .to_canonical();
     let mask = match get_ci(address, "Mask").and_then(Value::as_str) {
         None | Some("") => None,
         Some(m) => Some(
@@ -265,24 +265,17 @@ fn parse_go_ip_config(v: &Value) -> Result<IpConfig, CmdAddError> {
     let address = IpNet::new(ip, prefix).map_err(|_| CmdAddError::Mask(ip.to_string()))?;
     let gateway = match get_ci(obj, "Gateway").and_then(Value::as_str) {
         None | Some("") => None,
-        Some(g) => Some(unmap(
+        Some(g) => Some(
             g.parse::<IpAddr>()
-                .map_err(|_| CmdAddError::Ip(g.to_owned()))?,
-        )),
+                .map_err(|_| CmdAddError::Ip(g.to_owned()))?
+                .to_canonical(),
+        ),
     };
     Ok(IpConfig {
         interface,
         address,
         gateway,
     })
-}
-
-/// IPv4-mapped IPv6 addresses are IPv4 addresses (Go stores IPv4 in 16 bytes).
-fn unmap(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    }
 }
 
 /// Prefix length of a contiguous mask; a 16-byte mask on an IPv4 address uses its last 4 bytes.

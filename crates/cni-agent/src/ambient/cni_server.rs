@@ -19,7 +19,7 @@ use cni_core::cmdadd::{CmdAddRequest, CmdAddResponse};
 use cni_core::reconcile::{Eligibility, Scope, eligibility};
 
 use super::cluster::{Annotator, SharedCache, facts};
-use super::mesh::{Mesh, unmap};
+use super::mesh::Mesh;
 use super::reconciler::Policy;
 use crate::metrics::{ResponseCodeLabel, observe};
 
@@ -83,7 +83,11 @@ impl CniServer {
     }
 
     async fn enroll(&self, pod: &Pod, req: &CmdAddRequest) -> Result<(), String> {
-        let ips: Vec<IpAddr> = req.ips.iter().map(|c| unmap(c.address.addr())).collect();
+        let ips: Vec<IpAddr> = req
+            .ips
+            .iter()
+            .map(|c| c.address.addr().to_canonical())
+            .collect();
         self.mesh
             .add(pod, &ips, Some(&req.netns))
             .await

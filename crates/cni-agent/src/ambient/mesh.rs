@@ -237,7 +237,7 @@ impl Mesh {
     pub fn upsert_probe_ips(&self, pod: &Pod, uid: &str, ips: &[IpAddr]) -> Result<(), MeshError> {
         for ip in ips {
             self.probes
-                .upsert(unmap(*ip), uid)
+                .upsert(ip.to_canonical(), uid)
                 .map_err(|source| MeshError::ProbeSet {
                     pod: name(pod),
                     source,
@@ -314,7 +314,7 @@ impl Mesh {
             .ok_or_else(|| MeshError::NoUid(pod_name.clone()))?;
         for ip in ips {
             self.probes
-                .remove(unmap(*ip), &uid)
+                .remove(ip.to_canonical(), &uid)
                 .map_err(|source| MeshError::ProbeSet {
                     pod: pod_name.clone(),
                     source,
@@ -382,7 +382,7 @@ impl Mesh {
             let f = super::cluster::facts(pod);
             complete &= !f.ips.is_empty();
             for ip in &f.ips {
-                let ip = unmap(*ip);
+                let ip = ip.to_canonical();
                 keep.insert(ip);
                 entries.push((ip, uid.clone()));
             }
@@ -527,12 +527,4 @@ fn ns_name(pod: &Pod) -> (&str, &str) {
         pod.metadata.namespace.as_deref().unwrap_or_default(),
         pod.metadata.name.as_deref().unwrap_or_default(),
     )
-}
-
-/// IPv4-mapped IPv6 addresses are treated as the IPv4 address everywhere.
-pub fn unmap(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-        v4 => v4,
-    }
 }

@@ -94,14 +94,6 @@ fn ip_bytes(ip: IpAddr) -> Vec<u8> {
     }
 }
 
-/// Istio stores IPv4-mapped IPv6 addresses as plain IPv4.
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-        v4 => v4,
-    }
-}
-
 fn element_msg(set: &str, elems: Vec<Vec<SetElementAttribute>>, delete: bool) -> NfTablesMessage {
     let msg = SetElementMessage {
         attributes: vec![
@@ -150,7 +142,8 @@ impl ProbeSets {
         let elems: Vec<(String, IpAddr, Vec<u8>)> = entries
             .iter()
             .filter_map(|(ip, uid)| {
-                let ip = canonical(*ip);
+                // Istio stores IPv4-mapped IPv6 addresses as plain IPv4.
+                let ip = ip.to_canonical();
                 let set = self.set_for(ip)?;
                 let mut udata = Vec::new();
                 push_tlv(&mut udata, UDATA_SET_ELEM_COMMENT, &nul_terminated(uid));
@@ -201,7 +194,7 @@ impl ProbeSets {
     /// Deletes `ip` only if it is tagged with `pod_uid` (another pod may own the IP by now).
     /// Returns whether an entry was removed.
     pub fn remove(&self, netns: &Netns, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
-        let ip = canonical(ip);
+        let ip = ip.to_canonical();
         let found = self
             .list(netns)?
             .into_iter()
