@@ -5,8 +5,8 @@ use cni_core::redirect::nft::{
     BaseChain, Chain, ChainType, Hook, Rule, Ruleset, Set, SetKey, Table,
 };
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
-    NetlinkPayload,
+    NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST, NetlinkDeserializable, NetlinkHeader,
+    NetlinkMessage, NetlinkPayload, NetlinkSerializable,
 };
 use netlink_packet_netfilter::nftables::{
     ChainAttribute, ChainMessage, Hook as NlHook, HookNumber, InetHookNumber, NfTablesMessage,
@@ -16,11 +16,18 @@ use netlink_packet_netfilter::nftables::{
 use netlink_packet_netfilter::none::ControlMessage;
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 
-use super::expr::{rule_from_netlink, rule_to_netlink};
+use super::expr::{nlas, rule_from_wire, rule_to_netlink};
 use crate::netlink::{NetlinkError, NetlinkSocket};
 
 /// `NFNL_SUBSYS_NFTABLES`: batch begin/end name the subsystem they wrap in `res_id`.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFT_MSG_NEWRULE: u16 = 6;
+/// `struct nfgenmsg`, ahead of every nf_tables message's attributes.
+const NFGENMSG_LEN: usize = 4;
+// enum nft_rule_attributes
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
 // nftables datatype ids of set keys (`TYPE_IPADDR`, `TYPE_IP6ADDR`).
 const KEY_TYPE_IPV4: u32 = 7;
 const KEY_TYPE_IPV6: u32 = 8;
@@ -243,26 +250,96 @@ pub(crate) fn string_of(value: &[u8]) -> String {
     String::from_utf8_lossy(&value[..end]).into_owned()
 }
 
+/// A dump, taken again when a concurrent change interrupted it.
+fn dump_retrying<T>(
+    sock: &mut NetlinkSocket,
+    request: impl Fn() -> T,
+) -> Result<Vec<T>, NetlinkError>
+where
+    T: NetlinkSerializable + NetlinkDeserializable + std::fmt::Debug,
+{
+    let mut tries = 0;
+    loop {
+        match sock.dump(request()) {
+            Err(NetlinkError::DumpInterrupted) if tries < 5 => tries += 1,
+            other => return other,
+        }
+    }
+}
+
 fn dump(
     sock: &mut NetlinkSocket,
     msg: NfTablesMessage,
 ) -> Result<Vec<NfTablesMessage>, NetlinkError> {
-    // A dump interrupted by a concurrent change is simply taken again.
-    let mut tries = 0;
-    loop {
-        match sock.dump(inet(msg.clone())) {
-            Ok(replies) => {
-                return Ok(replies
-                    .into_iter()
-                    .filter_map(|m| match m.inner {
-                        netlink_packet_netfilter::NetfilterMessageInner::NfTables(n) => Some(n),
-                        _ => None,
-                    })
-                    .collect());
-            }
-            Err(NetlinkError::DumpInterrupted) if tries < 5 => tries += 1,
-            Err(e) => return Err(e),
+    let replies = dump_retrying(sock, || inet(msg.clone()))?;
+    Ok(replies
+        .into_iter()
+        .filter_map(|m| match m.inner {
+            netlink_packet_netfilter::NetfilterMessageInner::NfTables(n) => Some(n),
+            _ => None,
+        })
+        .collect())
+}
+
+/// A dump whose replies of type `reply` (an `NFT_MSG_*`) are returned undecoded, for
+/// [`expr::nlas`](super::expr::nlas) to read: see there why.
+fn dump_raw(
+    sock: &mut NetlinkSocket,
+    msg: NfTablesMessage,
+    reply: u16,
+) -> Result<Vec<Vec<u8>>, NetlinkError> {
+    let replies = dump_retrying(sock, || Raw::Request(inet(msg.clone())))?;
+    let wanted = (NFNL_SUBSYS_NFTABLES << 8) | reply;
+    Ok(replies
+        .into_iter()
+        .filter_map(|m| match m {
+            Raw::Reply {
+                message_type,
+                payload,
+            } if message_type == wanted => Some(payload),
+            _ => None,
+        })
+        .collect())
+}
+
+/// A request in the crate's types whose replies stay bytes.
+#[derive(Debug)]
+enum Raw {
+    Request(NetfilterMessage),
+    Reply { message_type: u16, payload: Vec<u8> },
+}
+
+impl NetlinkSerializable for Raw {
+    fn message_type(&self) -> u16 {
+        match self {
+            Raw::Request(m) => m.message_type(),
+            Raw::Reply { message_type, .. } => *message_type,
         }
+    }
+
+    fn buffer_len(&self) -> usize {
+        match self {
+            Raw::Request(m) => m.buffer_len(),
+            Raw::Reply { payload, .. } => payload.len(),
+        }
+    }
+
+    fn serialize(&self, buffer: &mut [u8]) {
+        match self {
+            Raw::Request(m) => m.serialize(buffer),
+            Raw::Reply { payload, .. } => buffer.copy_from_slice(payload),
+        }
+    }
+}
+
+impl NetlinkDeserializable for Raw {
+    type Error = std::convert::Infallible;
+
+    fn deserialize(header: &NetlinkHeader, payload: &[u8]) -> Result<Self, Self::Error> {
+        Ok(Raw::Reply {
+            message_type: header.message_type,
+            payload: payload.to_vec(),
+        })
     }
 }
 
@@ -364,23 +441,27 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
         }
     }
 
-    for msg in dump(
+    for payload in dump_raw(
         sock,
         NfTablesMessage::GetRule(RuleMessage { attributes: vec![] }),
+        NFT_MSG_NEWRULE,
     )? {
-        let NfTablesMessage::NewRule(r) = msg else {
-            continue;
+        // nfgenmsg (family, version, resource id), then the rule's attributes.
+        let attrs = payload.get(NFGENMSG_LEN..).and_then(nlas).ok_or_else(|| {
+            NetlinkError::Decode(format!("malformed rule message of {} bytes", payload.len()))
+        })?;
+        let text = |kind| {
+            attrs
+                .iter()
+                .find(|(k, _)| *k == kind)
+                .map(|(_, v)| string_of(v))
         };
-        let (mut table, mut chain, mut exprs) = (None, None, Vec::new());
-        for a in r.attributes {
-            match a {
-                RuleAttribute::Table(t) => table = Some(t),
-                RuleAttribute::Chain(c) => chain = Some(c),
-                RuleAttribute::Expressions(list) => exprs = rule_from_netlink(&list),
-                _ => {}
-            }
-        }
-        if let (Some(table), Some(chain)) = (table, chain)
+        let exprs = attrs
+            .iter()
+            .find(|(k, _)| *k == NFTA_RULE_EXPRESSIONS)
+            .map(|(_, v)| rule_from_wire(v))
+            .unwrap_or_default();
+        if let (Some(table), Some(chain)) = (text(NFTA_RULE_TABLE), text(NFTA_RULE_CHAIN))
             && let Some(t) = tables.iter_mut().find(|t| t.name == table)
         {
             t.rules.push(Rule { chain, exprs });
