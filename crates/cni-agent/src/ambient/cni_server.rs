@@ -152,8 +152,10 @@ async fn v1_cmdadd(State(s): State<Arc<CniServer>>, body: Bytes) -> Response {
             Err(e) => internal(e),
             Ok((pod, why)) => {
                 // Remembered for every pod, so a later namespace label enrolls it without a
-                // /proc scan (see `hints`).
-                if let Some(uid) = &pod.metadata.uid {
+                // /proc scan (see `hints`); enrolling records it itself.
+                if !why.is_selected()
+                    && let Some(uid) = &pod.metadata.uid
+                {
                     s.mesh.hints.record(uid, &req.netns);
                 }
                 let decision = match why {
