@@ -204,8 +204,33 @@ impl CniRuntime {
         sandbox: &Sandbox,
         observe: &mut dyn FnMut(&PluginRun),
     ) -> Result<Value, CniRuntimeError> {
-        let mut prev: Option<Value> = None;
-        for (index, plugin) in self.plugins.iter().enumerate() {
+        let result = self.add_plugins(sandbox, 0..self.plugins.len(), None, observe)?;
+        Ok(result.expect("a list has at least one plugin"))
+    }
+
+    pub fn plugin_count(&self) -> usize {
+        self.plugins.len()
+    }
+
+    /// Where the plugin of this type sits in the chain.
+    pub fn position(&self, plugin_type: &str) -> Option<usize> {
+        self.plugins
+            .iter()
+            .position(|p| p["type"].as_str() == Some(plugin_type))
+    }
+
+    /// ADD through the plugins in `range` only, the first of them getting `prev` as its
+    /// `prevResult`: one chain run in two parts, so a benchmark can time a single plugin. Returns
+    /// the last plugin's result (`prev` for an empty range).
+    pub fn add_plugins(
+        &self,
+        sandbox: &Sandbox,
+        range: std::ops::Range<usize>,
+        mut prev: Option<Value>,
+        observe: &mut dyn FnMut(&PluginRun),
+    ) -> Result<Option<Value>, CniRuntimeError> {
+        for index in range {
+            let plugin = &self.plugins[index];
             let run = self.exec("ADD", index, plugin, sandbox, prev.as_ref())?;
             let result: Value =
                 serde_json::from_slice(&run.stdout).map_err(|_| CniRuntimeError::BadOutput {
@@ -216,7 +241,7 @@ impl CniRuntime {
             observe(&run);
             prev = Some(result);
         }
-        Ok(prev.expect("a list has at least one plugin"))
+        Ok(prev)
     }
 
     /// DEL in reverse order with the cached ADD result (spec 0.4.0+).

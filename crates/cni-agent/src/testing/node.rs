@@ -104,6 +104,16 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// Our plugin's type in the installed chain.
+const ISTIO_CNI: &str = "istio-cni";
+
+/// The two parts of a chain around our plugin.
+#[derive(Clone, Copy)]
+enum Part {
+    Primary,
+    Ours,
+}
+
 /// A pod as the test created it: its API object and its sandbox.
 pub struct TestPod {
     pub namespace: String,
@@ -418,13 +428,57 @@ impl TestNode {
         }
     }
 
-    /// Runs CNI ADD for the pod's sandbox (in a blocking thread: the agent may take a while) and,
-    /// on success, writes the pod's IP and phase like the kubelet.
+    /// Runs CNI ADD for the pod's sandbox and, on success, writes the pod's IP and phase like the
+    /// kubelet.
     #[allow(
         clippy::result_large_err,
         reason = "the error carries the failing plugin's whole output"
     )]
     pub async fn sandbox_add(&self, pod: &mut TestPod) -> Result<Value, CniRuntimeError> {
+        let prev = self.sandbox_add_primary(pod).await?;
+        let result = self.sandbox_add_ours(pod, prev).await?;
+        self.report_running(pod, &result).await;
+        Ok(result)
+    }
+
+    /// The first part of the pod's ADD: the plugins before ours (all of them when ours is not
+    /// installed). The sandbox gets its interface and IP; returns the result ours is handed.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the error carries the failing plugin's whole output"
+    )]
+    pub async fn sandbox_add_primary(&self, pod: &TestPod) -> Result<Value, CniRuntimeError> {
+        let result = self.add_part(pod, Part::Primary, None).await?;
+        Ok(result.expect("the installed chain has a primary plugin"))
+    }
+
+    /// The rest of the pod's ADD: our plugin (and anything after it) with `prev` from
+    /// [`sandbox_add_primary`](Self::sandbox_add_primary), so a benchmark can time our plugin's
+    /// exec alone.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the error carries the failing plugin's whole output"
+    )]
+    pub async fn sandbox_add_ours(
+        &self,
+        pod: &TestPod,
+        prev: Value,
+    ) -> Result<Value, CniRuntimeError> {
+        let result = self.add_part(pod, Part::Ours, Some(prev)).await?;
+        Ok(result.expect("prev is passed through an empty part"))
+    }
+
+    /// Runs one part of the chain in a blocking thread (the agent may take a while).
+    #[allow(
+        clippy::result_large_err,
+        reason = "the error carries the failing plugin's whole output"
+    )]
+    async fn add_part(
+        &self,
+        pod: &TestPod,
+        part: Part,
+        prev: Option<Value>,
+    ) -> Result<Option<Value>, CniRuntimeError> {
         let runtime = self.runtime();
         let sandbox = Sandbox::k8s(
             &pod.container_id,
@@ -433,27 +487,36 @@ impl TestNode {
             &pod.name,
             &pod.uid,
         );
-        let result = tokio::task::spawn_blocking(move || runtime.add(&sandbox))
+        tokio::task::spawn_blocking(move || {
+            let count = runtime.plugin_count();
+            let ours = runtime.position(ISTIO_CNI).unwrap_or(count);
+            let range = match part {
+                Part::Primary => 0..ours,
+                Part::Ours => ours..count,
+            };
+            runtime.add_plugins(&sandbox, range, prev, &mut |_| {})
+        })
+        .await
+        .unwrap()
+    }
+
+    /// What the kubelet writes once the sandbox is up: the pod's IP from the ADD result, Running.
+    pub async fn report_running(&self, pod: &mut TestPod, result: &Value) {
+        let ip: IpAddr = result["ips"][0]["address"]
+            .as_str()
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        pod.ip = Some(ip);
+        let status = json!({"status": {"phase": "Running", "podIP": ip.to_string(),
+                                        "podIPs": [{"ip": ip.to_string()}]}});
+        self.pods(&pod.namespace)
+            .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&status))
             .await
             .unwrap();
-        if let Ok(r) = &result {
-            let ip: IpAddr = r["ips"][0]["address"]
-                .as_str()
-                .unwrap()
-                .split('/')
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap();
-            pod.ip = Some(ip);
-            let status = json!({"status": {"phase": "Running", "podIP": ip.to_string(),
-                                            "podIPs": [{"ip": ip.to_string()}]}});
-            self.pods(&pod.namespace)
-                .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&status))
-                .await
-                .unwrap();
-        }
-        result
     }
 
     /// `install-cni explain <ns>/<pod>` against the running agent: (exit success, stdout + stderr).
