@@ -39,6 +39,11 @@ pub enum NetnsError {
     Thread(String),
 }
 
+thread_local! {
+    /// The namespace a [`Netns::run`] thread entered; `None` on every other thread.
+    static ENTERED: std::cell::Cell<Option<NetnsId>> = const { std::cell::Cell::new(None) };
+}
+
 /// An open network namespace. The fd keeps the namespace alive even after its bind mount is gone.
 #[derive(Debug)]
 pub struct Netns {
@@ -108,12 +113,17 @@ impl Netns {
         })
     }
 
-    /// Runs `f` inside this namespace on a fresh OS thread, which exits afterwards.
+    /// Runs `f` inside this namespace on a fresh OS thread, which exits afterwards. Called again
+    /// for the same namespace from inside `f`, it runs in place: an operation made of several
+    /// steps enters the namespace once.
     pub fn run<T, F>(&self, f: F) -> Result<T, NetnsError>
     where
         T: Send,
         F: FnOnce() -> T + Send,
     {
+        if ENTERED.get() == Some(self.id) {
+            return Ok(f());
+        }
         std::thread::scope(|scope| {
             let worker = scope.spawn(|| {
                 setns(self.fd.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
@@ -122,6 +132,7 @@ impl Netns {
                         source,
                     }
                 })?;
+                ENTERED.set(Some(self.id));
                 Ok(f())
             });
             worker.join().map_err(|panic| {
