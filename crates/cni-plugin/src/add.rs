@@ -121,8 +121,10 @@ impl Ambient<'_> {
                     ))
                 })?;
                 match decision {
+                    // The agent logs the enrollment; an info record here would cost every
+                    // ADD a second connection (to log.sock) before the plugin exits.
                     CmdAddResponse::Enrolled => {
-                        self.log.info("pod enrolled in the ambient mesh", &[])
+                        self.log.debug("pod enrolled in the ambient mesh", &[])
                     }
                     CmdAddResponse::NotAmbient { reason } => {
                         self.log.debug("pod is not ambient", &[("reason", &reason)]);
@@ -192,7 +194,7 @@ impl Ambient<'_> {
             agent::TIMEOUT,
         ) {
             Ok(resp) if resp.status == 200 => {
-                self.log.info("pod enrolled in the ambient mesh", &[]);
+                self.log.debug("pod enrolled in the ambient mesh", &[]);
                 Ok(())
             }
             Ok(resp) => Err(CniError::internal(format!(

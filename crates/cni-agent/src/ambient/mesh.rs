@@ -176,7 +176,7 @@ impl Mesh {
         let workload = workload_info(pod);
         let cfg = self.pod_config(pod)?;
 
-        let started = Instant::now();
+        let began = Instant::now();
         let netns = match self.resolve_netns(&uid, &workload, ips, netns_path).await {
             Ok(ns) => ns,
             Err(why) => {
@@ -184,9 +184,9 @@ impl Mesh {
                 return Err(MeshError::Netns { pod: pod_name, why });
             }
         };
-        observe(&self.metrics.netns_resolve_seconds, started.elapsed());
+        let resolved = Instant::now();
+        observe(&self.metrics.netns_resolve_seconds, resolved - began);
 
-        let started = Instant::now();
         let rules = self.rules.clone();
         let (ns, c) = (netns.clone(), cfg.clone());
         let applied = tokio::task::spawn_blocking(move || rules.enroll(&ns, &c))
@@ -203,9 +203,10 @@ impl Mesh {
         let backend = BackendLabel {
             backend: self.rules.backend().to_string(),
         };
+        let applied = Instant::now();
         observe(
             &self.metrics.rule_apply_seconds.get_or_create(&backend),
-            started.elapsed(),
+            applied - resolved,
         );
 
         if let Err(source) = self.zds.pod_added(&uid, workload, &netns).await {
@@ -222,28 +223,56 @@ impl Mesh {
                 source,
             });
         }
-        self.upsert_probe_ips(pod, &uid, ips)?;
+        let acked = Instant::now();
+        self.upsert_probe_ips(pod, &uid, ips).await?;
+        let probed = Instant::now();
         let (namespace, pod_only) = ns_name(pod);
         self.annotator
             .set(namespace, pod_only, Redirection::Enabled)
             .await
             .map_err(|source| MeshError::Annotate {
-                pod: pod_name,
+                pod: pod_name.clone(),
                 source,
-            })
+            })?;
+        // Where the time went, for "why was this sandbox slow to start".
+        tracing::info!(
+            pod = %pod_name,
+            backend = self.rules.backend(),
+            took = ?began.elapsed(),
+            netns = ?(resolved - began),
+            rules = ?(applied - resolved),
+            ztunnel = ?(acked - applied),
+            probe_set = ?(probed - acked),
+            annotate = ?probed.elapsed(),
+            "pod enrolled in the ambient mesh"
+        );
+        Ok(())
     }
 
-    /// Adds the pod's IPs to the host probe set.
-    pub fn upsert_probe_ips(&self, pod: &Pod, uid: &str, ips: &[IpAddr]) -> Result<(), MeshError> {
-        for ip in ips {
-            self.probes
-                .upsert(ip.to_canonical(), uid)
-                .map_err(|source| MeshError::ProbeSet {
-                    pod: name(pod),
-                    source,
-                })?;
-        }
-        Ok(())
+    /// Adds the pod's IPs to the host probe set (a netlink transaction in the host namespace, so
+    /// on a blocking thread).
+    pub async fn upsert_probe_ips(
+        &self,
+        pod: &Pod,
+        uid: &str,
+        ips: &[IpAddr],
+    ) -> Result<(), MeshError> {
+        let probes = self.probes.clone();
+        let entries: Vec<(IpAddr, String)> = ips
+            .iter()
+            .map(|ip| (ip.to_canonical(), uid.to_string()))
+            .collect();
+        tokio::task::spawn_blocking(move || {
+            entries
+                .iter()
+                .try_for_each(|(ip, uid)| probes.upsert(*ip, uid))
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string().into()))
+        .map_err(|source| MeshError::ProbeSet {
+            pod: name(pod),
+            source,
+        })
     }
 
     async fn resolve_netns(
@@ -359,7 +388,10 @@ impl Mesh {
                 pod: pod_name,
                 source,
             }),
-            _ => Ok(()),
+            _ => {
+                tracing::info!(pod = %pod_name, deleted = is_delete, "pod removed from the ambient mesh");
+                Ok(())
+            }
         }
     }
 }
