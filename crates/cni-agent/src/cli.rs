@@ -187,6 +187,7 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
 
 /// Process entry point: parse, set up logging, run on a tokio runtime.
 pub fn main() -> ExitCode {
+    dataplane::heap::limit_arenas(2);
     let cli: Cli = match config::parse_from(std::env::args_os(), &ProcessEnv) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
