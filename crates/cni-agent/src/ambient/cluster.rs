@@ -56,6 +56,12 @@ pub enum ClusterEvent {
     Synced,
 }
 
+/// What a cached pod does not need: `managedFields` (server-side apply bookkeeping, often a third
+/// of a pod's size and never read here). Hundreds of pods per node are kept for the agent's life.
+pub fn trim_pod(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+}
+
 /// Facts about a pod for the pure reconcile rules.
 pub fn facts(pod: &Pod) -> PodFacts {
     let meta = &pod.metadata;
@@ -106,7 +112,10 @@ pub fn spawn_watches(
 
     let (cache_p, tx_p) = (cache.clone(), tx.clone());
     tokio::spawn(async move {
-        let mut stream = watcher(pods, cfg).default_backoff().boxed();
+        let mut stream = watcher(pods, cfg)
+            .default_backoff()
+            .modify(trim_pod)
+            .boxed();
         let mut relist: Option<HashMap<PodKey, Arc<Pod>>> = None;
         let mut signal = Some(pods_synced_tx);
         while let Some(event) = stream.next().await {

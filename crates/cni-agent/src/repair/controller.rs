@@ -204,7 +204,10 @@ async fn watch_pods(
     synced: oneshot::Sender<()>,
 ) {
     let mut synced = Some(synced);
-    let mut stream = reflector::reflector(writer, watcher(api, wc).default_backoff()).boxed();
+    let pods = watcher(api, wc)
+        .default_backoff()
+        .modify(crate::ambient::cluster::trim_pod);
+    let mut stream = reflector::reflector(writer, pods).boxed();
     while let Some(event) = stream.next().await {
         match event {
             Ok(WatchEvent::Apply(pod) | WatchEvent::InitApply(pod) | WatchEvent::Delete(pod)) => {
