@@ -7,14 +7,14 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::ambient::cluster::{Annotator, ClusterCache, spawn_watches};
+use crate::ambient::cluster::{Annotator, Cluster, spawn_watches};
 use crate::ambient::cni_server::CniServer;
 use crate::ambient::config::AmbientConfig;
 use crate::ambient::explain::Explainer;
@@ -345,7 +345,7 @@ async fn start_ambient(
         exclude_namespaces: cfg.exclude_namespaces.clone(),
         system_namespace: cfg.system_namespace.clone(),
     });
-    let cluster = Arc::new(RwLock::new(ClusterCache::default()));
+    let cluster = Arc::new(Cluster::default());
 
     let (tx, rx) = mpsc::unbounded_channel();
     spawn_watches(

@@ -3,7 +3,7 @@
 //! `pods/status`). Watch errors are retried with backoff by the watcher and logged, never dropped.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, LockResult, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
@@ -11,7 +11,8 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event as WatchEvent, watcher};
-use tokio::sync::mpsc;
+use tokio::sync::futures::Notified;
+use tokio::sync::{Notify, mpsc};
 
 use cni_core::enroll::{Labels, PodView};
 use cni_core::reconcile::{PodFacts, REDIRECTION_ANNOTATION, Redirection};
@@ -35,7 +36,44 @@ pub struct ClusterCache {
     pub namespaces: HashMap<String, Labels>,
 }
 
-pub type SharedCache = Arc<RwLock<ClusterCache>>;
+/// The cache, and a signal rung whenever a pod or namespace is added or changed, so a CNI ADD
+/// that arrives before the watch delivered its pod wakes the moment it does.
+#[derive(Default)]
+pub struct Cluster {
+    state: RwLock<ClusterCache>,
+    updated: Notify,
+}
+
+impl Cluster {
+    pub fn read(&self) -> LockResult<RwLockReadGuard<'_, ClusterCache>> {
+        self.state.read()
+    }
+
+    pub fn write(&self) -> LockResult<RwLockWriteGuard<'_, ClusterCache>> {
+        self.state.write()
+    }
+
+    /// Completes at the next update; create it before looking, so an update in between counts.
+    pub fn updated(&self) -> Notified<'_> {
+        self.updated.notified()
+    }
+
+    /// Adds or replaces a pod; returns the one it replaced.
+    pub fn upsert_pod(&self, pod: Arc<Pod>) -> Option<Arc<Pod>> {
+        let old = self.state.write().unwrap().pods.insert(pod_key(&pod), pod);
+        self.updated.notify_waiters();
+        old
+    }
+
+    /// Sets a namespace's labels; returns the previous ones.
+    pub fn upsert_namespace(&self, name: String, labels: Labels) -> Option<Labels> {
+        let old = self.state.write().unwrap().namespaces.insert(name, labels);
+        self.updated.notify_waiters();
+        old
+    }
+}
+
+pub type SharedCache = Arc<Cluster>;
 
 /// A change the reconciler must look at.
 #[derive(Debug, Clone)]
@@ -126,11 +164,7 @@ pub fn spawn_watches(
                     if let Some(seen) = relist.as_mut() {
                         seen.insert(pod_key(&pod), pod.clone());
                     }
-                    let old = cache_p
-                        .write()
-                        .unwrap()
-                        .pods
-                        .insert(pod_key(&pod), pod.clone());
+                    let old = cache_p.upsert_pod(pod.clone());
                     let _ = tx_p.send(ClusterEvent::Pod { old, new: pod });
                 }
                 Ok(WatchEvent::Delete(pod)) => {
@@ -175,11 +209,7 @@ pub fn spawn_watches(
                 Ok(WatchEvent::InitApply(ns)) | Ok(WatchEvent::Apply(ns)) => {
                     let name = ns.metadata.name.clone().unwrap_or_default();
                     let labels = ns.metadata.labels.clone().unwrap_or_default();
-                    let old = cache_n
-                        .write()
-                        .unwrap()
-                        .namespaces
-                        .insert(name.clone(), labels.clone());
+                    let old = cache_n.upsert_namespace(name.clone(), labels.clone());
                     let _ = tx_n.send(ClusterEvent::Namespace {
                         name,
                         old,

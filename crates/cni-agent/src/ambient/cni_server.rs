@@ -18,10 +18,11 @@ use k8s_openapi::api::core::v1::Pod;
 use cni_core::cmdadd::{CmdAddRequest, CmdAddResponse};
 use cni_core::reconcile::{Eligibility, Scope, eligibility};
 
-use super::cluster::{Annotator, SharedCache, facts};
+use super::cluster::{Annotator, Cluster, SharedCache, facts};
 use super::mesh::Mesh;
 use super::reconciler::Policy;
 use crate::metrics::{ResponseCodeLabel, observe};
+use cni_core::enroll::Labels;
 
 pub struct CniServer {
     pub cache: SharedCache,
@@ -31,48 +32,58 @@ pub struct CniServer {
 }
 
 /// The cache may lag the API server by a moment when a pod's sandbox is created right after the
-/// pod; Istio meant to retry but never re-read (its QUIRK). We re-read the cache, then ask the
-/// API server directly.
-const CACHE_RETRIES: u32 = 10;
-const CACHE_RETRY_DELAY: Duration = Duration::from_millis(10);
+/// pod; Istio meant to retry but never re-read (its QUIRK). We wait for the watch to deliver the
+/// pod (woken by each cache update, not polling), then ask the API server directly.
+const CACHE_WAIT: Duration = Duration::from_millis(100);
+
+/// The pod of a CNI request and its namespace's labels: from the cache, waiting up to
+/// [`CACHE_WAIT`] for the watch to deliver them, else from the API server.
+async fn find_pod(
+    cache: &Cluster,
+    api: &Annotator,
+    namespace: &str,
+    name: &str,
+) -> Result<(Arc<Pod>, Labels), String> {
+    let key = (namespace.to_string(), name.to_string());
+    let started = tokio::time::Instant::now();
+    let deadline = started + CACHE_WAIT;
+    let mut waited = false;
+    loop {
+        let updated = cache.updated();
+        let found = {
+            let c = cache.read().unwrap();
+            c.pods
+                .get(&key)
+                .cloned()
+                .zip(c.namespaces.get(namespace).cloned())
+        };
+        if let Some(found) = found {
+            if waited {
+                tracing::debug!(pod = %format!("{namespace}/{name}"), waited = ?started.elapsed(), "pod reached the cache after its CNI ADD");
+            }
+            return Ok(found);
+        }
+        if tokio::time::timeout_at(deadline, updated).await.is_err() {
+            break;
+        }
+        waited = true;
+    }
+    let pod = api
+        .get_pod(namespace, name)
+        .await
+        .map_err(|e| format!("failed to get pod {namespace}/{name}: {e}"))?
+        .ok_or_else(|| format!("failed to get pod {namespace}/{name}: not found"))?;
+    let labels = api
+        .get_namespace_labels(namespace)
+        .await
+        .map_err(|e| format!("failed to get namespace {namespace}: {e}"))?
+        .ok_or_else(|| format!("failed to get namespace {namespace}: not found"))?;
+    Ok((Arc::new(pod), labels))
+}
 
 impl CniServer {
     async fn lookup(&self, namespace: &str, name: &str) -> Result<(Arc<Pod>, Eligibility), String> {
-        let key = (namespace.to_string(), name.to_string());
-        let mut cached = None;
-        for attempt in 0..=CACHE_RETRIES {
-            cached = {
-                let c = self.cache.read().unwrap();
-                c.pods
-                    .get(&key)
-                    .cloned()
-                    .zip(c.namespaces.get(namespace).cloned())
-            };
-            if cached.is_some() {
-                break;
-            }
-            if attempt < CACHE_RETRIES {
-                tokio::time::sleep(CACHE_RETRY_DELAY).await;
-            }
-        }
-        let (pod, labels) = match cached {
-            Some(found) => found,
-            None => {
-                let pod = self
-                    .annotator
-                    .get_pod(namespace, name)
-                    .await
-                    .map_err(|e| format!("failed to get pod {namespace}/{name}: {e}"))?
-                    .ok_or_else(|| format!("failed to get pod {namespace}/{name}: not found"))?;
-                let labels = self
-                    .annotator
-                    .get_namespace_labels(namespace)
-                    .await
-                    .map_err(|e| format!("failed to get namespace {namespace}: {e}"))?
-                    .ok_or_else(|| format!("failed to get namespace {namespace}: not found"))?;
-                (Arc::new(pod), labels)
-            }
-        };
+        let (pod, labels) = find_pod(&self.cache, &self.annotator, namespace, name).await?;
         let scope = Scope {
             selectors: &self.policy.selectors,
             namespace_labels: &labels,
@@ -186,4 +197,55 @@ pub fn router(server: Arc<CniServer>) -> Router {
         .route("/cmdadd", post(istio_cmdadd))
         .route("/v1/cmdadd", post(v1_cmdadd))
         .with_state(server)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(namespace: &str, name: &str) -> Arc<Pod> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"namespace": namespace, "name": name, "uid": "u1"}
+            }))
+            .unwrap(),
+        )
+    }
+
+    /// An API client that can never answer: a lookup that succeeds did not use it.
+    fn unreachable_api() -> Annotator {
+        let cfg = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+        Annotator::new(kube::Client::try_from(cfg).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_pod_the_watch_delivers_late_is_found_in_the_cache() {
+        let cache = Arc::new(Cluster::default());
+        cache.upsert_namespace("apps".into(), Labels::new());
+        let writer = cache.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            writer.upsert_pod(pod("apps", "other"));
+            writer.upsert_pod(pod("apps", "web"));
+        });
+        let started = Instant::now();
+        let (found, _) = find_pod(&cache, &unreachable_api(), "apps", "web")
+            .await
+            .unwrap();
+        assert_eq!(found.metadata.name.as_deref(), Some("web"));
+        // Woken by the update, not by the end of the wait.
+        assert!(started.elapsed() < CACHE_WAIT, "{:?}", started.elapsed());
+    }
+
+    #[tokio::test]
+    async fn a_pod_the_watch_never_delivers_is_asked_of_the_api_server() {
+        let cache = Arc::new(Cluster::default());
+        cache.upsert_namespace("apps".into(), Labels::new());
+        let started = Instant::now();
+        let err = find_pod(&cache, &unreachable_api(), "apps", "web")
+            .await
+            .unwrap_err();
+        assert!(started.elapsed() >= CACHE_WAIT);
+        assert!(err.starts_with("failed to get pod apps/web: "), "{err}");
+    }
 }
