@@ -285,13 +285,14 @@ impl TestNode {
         }
     }
 
-    /// The agent's resident memory, from `/proc/<pid>/status` (`VmRSS`), in KiB.
-    pub fn agent_rss_kib(&self) -> Option<u64> {
+    /// A memory figure of the agent from `/proc/<pid>/status` (`VmRSS`: resident now, `VmHWM`:
+    /// its peak, `RssAnon`, `RssFile`), in KiB.
+    pub fn agent_memory_kib(&self, field: &str) -> Option<u64> {
         let pid = self.agent.as_ref()?.id();
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
     }
 
