@@ -19,9 +19,9 @@ use prometheus_client::metrics::family::Family;
 use tokio::sync::{mpsc, oneshot};
 
 use super::actions::{ActionError, Actions};
-use super::config::{RepairAction, RepairConfig};
+use super::config::{BrokenPodFilter, RepairAction, RepairConfig};
 use super::events::EventRecorder;
-use super::filter::is_broken;
+use super::filter::{is_broken, trim_for_cache};
 use crate::http::ReadyFlag;
 use crate::metrics::RepairLabels;
 
@@ -125,6 +125,7 @@ impl RepairController {
         let watch = tokio::spawn(watch_pods(
             Api::<Pod>::all(self.client.clone()),
             wc,
+            cfg.filter.clone(),
             writer,
             queue.clone(),
             synced_tx,
@@ -199,6 +200,7 @@ impl RepairController {
 async fn watch_pods(
     api: Api<Pod>,
     wc: watcher::Config,
+    filter: BrokenPodFilter,
     writer: reflector::store::Writer<Pod>,
     queue: Arc<Queue>,
     synced: oneshot::Sender<()>,
@@ -206,7 +208,7 @@ async fn watch_pods(
     let mut synced = Some(synced);
     let pods = watcher(api, wc)
         .default_backoff()
-        .modify(crate::ambient::cluster::trim_pod);
+        .modify(move |pod| trim_for_cache(pod, &filter));
     let mut stream = reflector::reflector(writer, pods).boxed();
     while let Some(event) = stream.next().await {
         match event {

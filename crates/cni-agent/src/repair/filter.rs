@@ -43,6 +43,23 @@ pub fn is_broken(pod: &Pod, filter: &BrokenPodFilter) -> bool {
         .any(|t| terminated_matches(filter, t))
 }
 
+/// What the repair cache keeps of a pod: all of a pod that can be broken, only the metadata of one
+/// that cannot (no sidecar annotation) — most pods of an ambient node, cached for the agent's life.
+/// A pod that gains the annotation comes back whole with that update.
+pub fn trim_for_cache(pod: &mut Pod, filter: &BrokenPodFilter) {
+    crate::ambient::cluster::trim_pod(pod);
+    let candidate = filter.sidecar_annotation.is_empty()
+        || pod
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(&filter.sidecar_annotation));
+    if !candidate {
+        pod.spec = None;
+        pod.status = None;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::{Value, json};
@@ -217,5 +234,30 @@ mod tests {
         }))
         .unwrap();
         assert!(!is_broken(&p, &BrokenPodFilter::default()));
+    }
+
+    #[test]
+    fn the_cache_keeps_whole_only_pods_that_can_be_broken() {
+        let filter = BrokenPodFilter::default();
+        let mut candidate = detect_pod("", 126);
+        trim_for_cache(&mut candidate, &filter);
+        assert!(
+            is_broken(&candidate, &filter),
+            "a broken pod stays detectable"
+        );
+
+        let mut plain = pod(false, status(crash_loop(), died(126, "")));
+        trim_for_cache(&mut plain, &filter);
+        assert!(plain.spec.is_none() && plain.status.is_none());
+        assert_eq!(plain.metadata.name.as_deref(), Some("p"));
+
+        // Without an annotation to look for, every pod is a candidate.
+        let any = BrokenPodFilter {
+            sidecar_annotation: String::new(),
+            ..BrokenPodFilter::default()
+        };
+        let mut plain = pod(false, status(crash_loop(), died(126, "")));
+        trim_for_cache(&mut plain, &any);
+        assert!(is_broken(&plain, &any));
     }
 }
