@@ -27,10 +27,10 @@ COPY crates crates
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked -p cni-agent --bin install-cni \
- && cargo build --profile plugin --locked -p cni-plugin --bin istio-cni --target "$(cat /musl-target)" \
+ && cargo build --release --locked -p cni-plugin --bin istio-cni --target "$(cat /musl-target)" \
  && mkdir -p /out \
  && cp target/release/install-cni /out/ \
- && cp "target/$(cat /musl-target)/plugin/istio-cni" /out/
+ && cp "target/$(cat /musl-target)/release/istio-cni" /out/
 
 FROM docker.io/library/debian:${DEBIAN_RELEASE}-slim
 # iptables backend: iptables/ip6tables -save/-restore in both legacy and nft variants (the agent
