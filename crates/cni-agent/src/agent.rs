@@ -339,6 +339,7 @@ async fn start_ambient(
         host_netns: host_id,
         hints: crate::ambient::hints::NetnsHints::new(run_dir),
         metrics: metrics.clone(),
+        locks: Default::default(),
     });
     let policy = Arc::new(Policy {
         selectors: cfg.selectors.clone(),

@@ -120,6 +120,26 @@ pub struct Mesh {
     pub host_netns: dataplane::netns::NetnsId,
     pub hints: super::hints::NetnsHints,
     pub metrics: Metrics,
+    /// One operation per pod at a time (see [`PodLocks`]).
+    pub locks: PodLocks,
+}
+
+/// Serialises the add, remove and drift repair of one pod. Without it a drift check that took a
+/// pod's namespace just before the pod was unenrolled saw the rules gone and put them back,
+/// leaving a pod that left the mesh redirected to a ztunnel that had dropped it.
+#[derive(Default)]
+pub struct PodLocks(std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+impl PodLocks {
+    pub async fn lock(&self, uid: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut locks = self.0.lock().unwrap();
+            // Locks nobody holds or waits for are dropped, so the map only holds pods in flight.
+            locks.retain(|_, l| Arc::strong_count(l) > 1);
+            locks.entry(uid.to_string()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
 }
 
 fn name(pod: &Pod) -> String {
@@ -173,6 +193,7 @@ impl Mesh {
             .uid
             .clone()
             .ok_or_else(|| MeshError::NoUid(pod_name.clone()))?;
+        let _pod_lock = self.locks.lock(&uid).await;
         let workload = workload_info(pod);
         let cfg = self.pod_config(pod)?;
 
@@ -341,6 +362,7 @@ impl Mesh {
             .uid
             .clone()
             .ok_or_else(|| MeshError::NoUid(pod_name.clone()))?;
+        let _pod_lock = self.locks.lock(&uid).await;
         for ip in ips {
             self.probes
                 .remove(ip.to_canonical(), &uid)
@@ -519,6 +541,8 @@ impl Mesh {
         let Some(uid) = pod.metadata.uid.as_deref() else {
             return false;
         };
+        // Held across the check and the repair; a pod removed meanwhile is no longer cached.
+        let _pod_lock = self.locks.lock(uid).await;
         let Some(netns) = self.cache.get(uid).and_then(|e| e.netns) else {
             return false;
         };
@@ -559,4 +583,32 @@ fn ns_name(pod: &Pod) -> (&str, &str) {
         pod.metadata.namespace.as_deref().unwrap_or_default(),
         pod.metadata.name.as_deref().unwrap_or_default(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_operation_per_pod_at_a_time() {
+        let locks = Arc::new(PodLocks::default());
+        let held = locks.lock("pod-a").await;
+        // Another pod is not held up.
+        let other = tokio::time::timeout(std::time::Duration::from_secs(1), locks.lock("pod-b"))
+            .await
+            .expect("a different pod waits for nothing");
+        drop(other);
+        // The same pod waits until the first operation is done.
+        let waiter = tokio::spawn({
+            let locks = locks.clone();
+            async move { drop(locks.lock("pod-a").await) }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished());
+        drop(held);
+        waiter.await.unwrap();
+        // Locks nobody holds are not kept.
+        drop(locks.lock("pod-c").await);
+        assert_eq!(locks.0.lock().unwrap().len(), 1);
+    }
 }
