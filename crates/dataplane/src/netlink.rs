@@ -299,21 +299,28 @@ fn ext_ack_text(flags: u16, raw: &[u8]) -> Option<String> {
     } else {
         u32::from_ne_bytes(inner.get(0..4)?.try_into().ok()?) as usize
     };
-    let mut tlvs = raw.get(20 + ((inner_len + 3) & !3)..)?;
-    while tlvs.len() >= 4 {
-        let len = u16::from_ne_bytes([tlvs[0], tlvs[1]]) as usize;
-        let kind = u16::from_ne_bytes([tlvs[2], tlvs[3]]) & 0x3fff;
-        if len < 4 || len > tlvs.len() {
+    let tlvs = nlas(raw.get(20 + ((inner_len + 3) & !3)..)?)?;
+    let text = tlvs.iter().find(|(kind, _)| *kind == NLMSGERR_ATTR_MSG)?.1;
+    let text = text.split(|b| *b == 0).next().unwrap_or_default();
+    Some(String::from_utf8_lossy(text).into_owned())
+}
+
+/// The attributes of one netlink attribute stream as (type, value) pairs, or `None` if a length
+/// runs past the buffer. Read by hand: the netlink crates' parsers format every buffer they walk
+/// into an error-context string, success or not, which made reading a pod's nftables rules back
+/// cost milliseconds of CPU.
+pub(crate) fn nlas(mut buf: &[u8]) -> Option<Vec<(u16, &[u8])>> {
+    let mut out = Vec::new();
+    while buf.len() >= 4 {
+        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
+        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & netlink_packet_core::NLA_TYPE_MASK;
+        if len < 4 {
             return None;
         }
-        if kind == NLMSGERR_ATTR_MSG {
-            let text = &tlvs[4..len];
-            let text = text.split(|b| *b == 0).next().unwrap_or_default();
-            return Some(String::from_utf8_lossy(text).into_owned());
-        }
-        tlvs = tlvs.get((len + 3) & !3..).unwrap_or_default();
+        out.push((kind, buf.get(4..len)?));
+        buf = buf.get((len + 3) & !3..).unwrap_or_default();
     }
-    None
+    Some(out)
 }
 
 #[cfg(test)]

@@ -15,6 +15,8 @@ use cni_core::redirect::nft::{
     AddrField, CmpOp, Expr, IfField, L4Proto, PortField, Prefix, Verdict,
 };
 use netlink_packet_core::DefaultNla;
+
+use crate::netlink::nlas;
 use netlink_packet_netfilter::nftables::{
     Bitwise, Cmp, DataAttribute, ExpressionAttribute, Expressions, Immediate, ListAttribute,
     Lookup, Meta, MetaKey, Operator, Payload, Register, VerdictAttribute,
@@ -790,24 +792,6 @@ pub(crate) fn to_netlink(low: &Low) -> ListAttribute<ExpressionAttribute> {
         Low::Other { .. } => other("counter", vec![]),
     };
     ListAttribute::from(e)
-}
-
-/// The attributes of one netlink attribute stream as (type, value) pairs, or `None` if a length
-/// runs past the buffer. Read by hand: the netlink crate's parsers format every buffer they walk
-/// into an error-context string, success or not, which made reading a pod's rules back cost
-/// milliseconds of CPU.
-pub(crate) fn nlas(mut buf: &[u8]) -> Option<Vec<(u16, &[u8])>> {
-    let mut out = Vec::new();
-    while buf.len() >= 4 {
-        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
-        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & netlink_packet_core::NLA_TYPE_MASK;
-        if len < 4 {
-            return None;
-        }
-        out.push((kind, buf.get(4..len)?));
-        buf = buf.get((len + 3) & !3..).unwrap_or_default();
-    }
-    Some(out)
 }
 
 // enum nft_list_attributes, nft_expr_attributes, nft_data_attributes, nft_verdict_attributes

@@ -16,8 +16,8 @@ use netlink_packet_netfilter::nftables::{
 use netlink_packet_netfilter::none::ControlMessage;
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 
-use super::expr::{nlas, rule_from_wire, rule_to_netlink};
-use crate::netlink::{NetlinkError, NetlinkSocket};
+use super::expr::{rule_from_wire, rule_to_netlink};
+use crate::netlink::{NetlinkError, NetlinkSocket, nlas};
 
 /// `NFNL_SUBSYS_NFTABLES`: batch begin/end name the subsystem they wrap in `res_id`.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -282,7 +282,7 @@ fn dump(
 }
 
 /// A dump whose replies of type `reply` (an `NFT_MSG_*`) are returned undecoded, for
-/// [`expr::nlas`](super::expr::nlas) to read: see there why.
+/// [`nlas`] to read: see there why.
 fn dump_raw(
     sock: &mut NetlinkSocket,
     msg: NfTablesMessage,
