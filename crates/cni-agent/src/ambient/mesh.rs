@@ -50,7 +50,7 @@ pub trait ProbeSet: Send + Sync + 'static {
     fn remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError>;
     /// Deletes every entry whose IP is not in `keep`.
     fn prune(&self, keep: &HashSet<IpAddr>) -> Result<(), BoxError>;
-    /// Many upserts at once (startup restore); one transaction where the backend has them.
+    /// Many upserts at once; one transaction where the backend has them.
     fn upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
         entries
             .iter()
@@ -270,30 +270,31 @@ impl Mesh {
         Ok(())
     }
 
-    /// Adds the pod's IPs to the host probe set (a netlink transaction in the host namespace, so
-    /// on a blocking thread).
+    /// Adds the pod's IPs to the host probe set.
     pub async fn upsert_probe_ips(
         &self,
         pod: &Pod,
         uid: &str,
         ips: &[IpAddr],
     ) -> Result<(), MeshError> {
-        let probes = self.probes.clone();
-        let entries: Vec<(IpAddr, String)> = ips
+        let entries = ips
             .iter()
             .map(|ip| (ip.to_canonical(), uid.to_string()))
             .collect();
-        tokio::task::spawn_blocking(move || {
-            entries
-                .iter()
-                .try_for_each(|(ip, uid)| probes.upsert(*ip, uid))
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string().into()))
-        .map_err(|source| MeshError::ProbeSet {
-            pod: name(pod),
-            source,
-        })
+        self.upsert_probes(entries)
+            .await
+            .map_err(|source| MeshError::ProbeSet {
+                pod: name(pod),
+                source,
+            })
+    }
+
+    /// One probe-set transaction (netlink in the host namespace, so on a blocking thread).
+    async fn upsert_probes(&self, entries: Vec<(IpAddr, String)>) -> Result<(), BoxError> {
+        let probes = self.probes.clone();
+        tokio::task::spawn_blocking(move || probes.upsert_many(&entries))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string().into()))
     }
 
     async fn resolve_netns(
@@ -453,11 +454,7 @@ impl Mesh {
                 ),
             );
         }
-        let probes = self.probes.clone();
-        let restored = tokio::task::spawn_blocking(move || probes.upsert_many(&entries))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string().into()));
-        if let Err(e) = restored {
+        if let Err(e) = self.upsert_probes(entries).await {
             tracing::warn!(error = %e, "cannot restore the probe set entries of enrolled pods");
         }
         if complete {
