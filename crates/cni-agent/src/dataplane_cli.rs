@@ -369,32 +369,32 @@ status:
         a
     }
 
-    #[test]
-    fn sidecar_manifest_yaml_and_json_give_the_plugins_config() {
-        let dir = tempfile::tempdir().unwrap();
-        let yaml = pod_file(dir.path(), "pod.yaml", SIDECAR_POD_YAML);
-        let a = sidecar_args(&[
+    /// `sidecar apply` for the manifest at `pod` against no namespace, plus `extra` flags.
+    fn sidecar_apply(pod: &std::path::Path, extra: &[&str]) -> SidecarArgs {
+        let mut args = vec![
             "sidecar",
             "apply",
             "--netns",
             "/nonexistent",
             "--pod",
-            yaml.to_str().unwrap(),
-        ]);
+            pod.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        sidecar_args(&args)
+    }
+
+    #[test]
+    fn sidecar_manifest_yaml_and_json_give_the_plugins_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = pod_file(dir.path(), "pod.yaml", SIDECAR_POD_YAML);
+        let a = sidecar_apply(&yaml, &[]);
         let from_yaml = sidecar_config(&a).unwrap().unwrap();
         assert_eq!(from_yaml.exclude_outbound_ports, [5555]);
         assert!(from_yaml.ipv6, "the pod has an IPv6 address");
 
         let value: serde_json::Value = serde_yaml::from_str(SIDECAR_POD_YAML).unwrap();
         let json = pod_file(dir.path(), "pod.json", &value.to_string());
-        let a = sidecar_args(&[
-            "sidecar",
-            "apply",
-            "--netns",
-            "/nonexistent",
-            "--pod",
-            json.to_str().unwrap(),
-        ]);
+        let a = sidecar_apply(&json, &[]);
         assert_eq!(sidecar_config(&a).unwrap().unwrap(), from_yaml);
     }
 
@@ -403,29 +403,12 @@ status:
         let dir = tempfile::tempdir().unwrap();
         let yaml = pod_file(dir.path(), "pod.yaml", SIDECAR_POD_YAML);
         for backend in ["iptables", "nftables"] {
-            let a = sidecar_args(&[
-                "sidecar",
-                "apply",
-                "--netns",
-                "/nonexistent",
-                "--pod",
-                yaml.to_str().unwrap(),
-                "--backend",
-                backend,
-                "--dry-run",
-            ]);
+            let a = sidecar_apply(&yaml, &["--backend", backend, "--dry-run"]);
             assert_eq!(sidecar(a).unwrap(), ExitCode::SUCCESS);
         }
         let bad = SIDECAR_POD_YAML.replace("'5555'", "'55555555'");
         let path = pod_file(dir.path(), "bad.yaml", &bad);
-        let a = sidecar_args(&[
-            "sidecar",
-            "apply",
-            "--netns",
-            "/nonexistent",
-            "--pod",
-            path.to_str().unwrap(),
-        ]);
+        let a = sidecar_apply(&path, &[]);
         let err = describe(&sidecar(a).unwrap_err());
         assert!(
             err.contains("traffic.sidecar.istio.io/excludeOutboundPorts"),

@@ -7,24 +7,11 @@ use std::path::Path;
 
 use cni_core::cmdadd::{CmdAddRequest, IpConfig};
 use serde_json::{Value, json};
-use support::{Output, Recorded, Server, run_plugin};
+use support::{Output, POD_ARGS, PREV, Recorded, Server, plugin_conf, run_plugin};
 
 const NETNS: &str = "/var/run/netns/cni-istio-test-absent";
-const PREV: &str = r#"{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"interface":0,"address":"10.244.1.5/24","gateway":"10.244.1.1"}],"dns":{}}"#;
-const POD_ARGS: &str = "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc123;K8S_POD_UID=uid-1";
-
 fn conf(run_dir: &Path, ambient: bool, prev: Option<&str>) -> String {
-    let mut c = json!({
-        "cniVersion": "1.0.0",
-        "name": "k8s-pod-network",
-        "type": "istio-cni",
-        "plugin_log_level": "debug",
-        "cni_agent_run_dir": run_dir,
-        "ambient_enabled": ambient,
-        "enablement_selectors": cni_core::enroll::default_selectors(),
-        "exclude_namespaces": ["kube-system"],
-        "pod_namespace": "istio-system",
-    });
+    let mut c = plugin_conf(run_dir, ambient);
     if let Some(p) = prev {
         c["prevResult"] = serde_json::from_str(p).unwrap();
     }

@@ -13,24 +13,11 @@ use std::process::Command;
 
 use dataplane::test_support::TestNetns;
 use serde_json::{Value, json};
-use support::{Output, Recorded, Server, run_plugin};
-
-const PREV: &str = r#"{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"interface":0,"address":"10.244.1.5/24","gateway":"10.244.1.1"}],"dns":{}}"#;
-const POD_ARGS: &str = "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc123;K8S_POD_UID=uid-1";
+use support::{Output, POD_ARGS, PREV, Recorded, Server, plugin_conf, run_plugin};
 
 fn conf(run_dir: &Path, ambient: bool, nftables: bool) -> String {
-    let mut c = json!({
-        "cniVersion": "1.0.0",
-        "name": "k8s-pod-network",
-        "type": "istio-cni",
-        "plugin_log_level": "debug",
-        "cni_agent_run_dir": run_dir,
-        "ambient_enabled": ambient,
-        "enablement_selectors": cni_core::enroll::default_selectors(),
-        "exclude_namespaces": ["kube-system"],
-        "pod_namespace": "istio-system",
-        "native_nftables": nftables,
-    });
+    let mut c = plugin_conf(run_dir, ambient);
+    c["native_nftables"] = json!(nftables);
     c["prevResult"] = serde_json::from_str(PREV).unwrap();
     c.to_string()
 }

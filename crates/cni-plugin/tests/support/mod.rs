@@ -1,5 +1,6 @@
 //! Real peers for the plugin binary: HTTP/1.1 servers on a unix socket (the agent) and on
-//! 127.0.0.1 (the API server), each a std thread that records every request it got.
+//! 127.0.0.1 (the API server), each a std thread that records every request it got; and the
+//! plugin config and chain inputs both test files start from.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -9,6 +10,26 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+
+/// A bridge plugin's result, handed to ours as `prevResult`.
+pub const PREV: &str = r#"{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"interface":0,"address":"10.244.1.5/24","gateway":"10.244.1.1"}],"dns":{}}"#;
+/// The `CNI_ARGS` containerd sends for pod `default/web-0`.
+pub const POD_ARGS: &str = "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc123;K8S_POD_UID=uid-1";
+
+/// Our plugin's entry in the chain, as the installer writes it (no `prevResult`).
+pub fn plugin_conf(run_dir: &Path, ambient: bool) -> serde_json::Value {
+    serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": "k8s-pod-network",
+        "type": "istio-cni",
+        "plugin_log_level": "debug",
+        "cni_agent_run_dir": run_dir,
+        "ambient_enabled": ambient,
+        "enablement_selectors": cni_core::enroll::default_selectors(),
+        "exclude_namespaces": ["kube-system"],
+        "pod_namespace": "istio-system",
+    })
+}
 
 #[derive(Clone, Debug)]
 pub struct Recorded {
