@@ -209,4 +209,17 @@ mod tests {
         let inner = ns.run(|| Netns::current().unwrap().id()).unwrap();
         assert_eq!(inner, ns.id());
     }
+
+    #[test]
+    fn a_run_inside_a_run_of_the_same_namespace_stays_on_its_thread() {
+        let ns = Netns::current().unwrap();
+        let (outer, inner) = ns
+            .run(|| {
+                let outer = std::thread::current().id();
+                (outer, ns.run(|| std::thread::current().id()).unwrap())
+            })
+            .unwrap();
+        assert_eq!(outer, inner);
+        assert_ne!(outer, std::thread::current().id());
+    }
 }

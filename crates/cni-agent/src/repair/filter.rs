@@ -240,7 +240,9 @@ mod tests {
     fn the_cache_keeps_whole_only_pods_that_can_be_broken() {
         let filter = BrokenPodFilter::default();
         let mut candidate = detect_pod("", 126);
+        candidate.metadata.managed_fields = Some(vec![Default::default()]);
         trim_for_cache(&mut candidate, &filter);
+        assert!(candidate.metadata.managed_fields.is_none());
         assert!(
             is_broken(&candidate, &filter),
             "a broken pod stays detectable"
