@@ -429,9 +429,7 @@ mod tests {
         let spawn_in = |ns: &TestNetns| {
             let mut cmd = std::process::Command::new("sleep");
             cmd.arg("30");
-            let netns = ns.open();
-            netns.enter_in_child(&mut cmd);
-            cmd.spawn().unwrap()
+            ns.open().spawn(&mut cmd).unwrap()
         };
         // The foreign process is older: without the IP check it would win.
         let mut foreign = spawn_in(&foreign_ns);

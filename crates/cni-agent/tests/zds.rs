@@ -738,9 +738,7 @@ async fn real_ztunnel_handshake_add_and_del() {
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(work.path().join("ztunnel.log")).unwrap());
-    let node_ns = node.open();
-    node_ns.enter_in_child(&mut cmd);
-    let mut child = cmd.spawn().expect("start ztunnel");
+    let mut child = node.open().spawn(&mut cmd).expect("start ztunnel");
     let result = async {
         agent.wait_synced(1).await;
         agent.add("uid-b", &pod_b.open()).await?;

@@ -3,7 +3,7 @@
 //! and the address set of enrolled pod IPs it matches, managed with the `ipset` tool.
 
 use std::net::IpAddr;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::iptables::{Family, host_probe_rules};
@@ -96,9 +96,15 @@ pub enum Deleted {
 impl ProbeSet<'_> {
     fn ipset(&self, args: &[&str]) -> Result<String, HostError> {
         let mut cmd = Command::new("ipset");
-        cmd.args(args);
-        self.host.enter_in_child(&mut cmd);
-        let out = cmd.output().map_err(HostError::Spawn)?;
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let out = self
+            .host
+            .spawn(&mut cmd)
+            .and_then(|child| child.wait_with_output())
+            .map_err(HostError::Spawn)?;
         if !out.status.success() {
             return Err(HostError::Ipset {
                 args: args.join(" "),

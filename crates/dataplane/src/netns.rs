@@ -3,14 +3,14 @@
 //! `setns(CLONE_NEWNET)` changes the namespace of the calling *thread* only. Doing it on a pooled
 //! thread (a tokio worker, `spawn_blocking`) would leak the pod's namespace into unrelated work, so
 //! [`Netns::run`] always uses a fresh OS thread that exits when the closure returns. Child
-//! processes are moved with [`Netns::enter_in_child`], a `setns` between fork and exec.
+//! processes are started by [`Netns::spawn`] from such a thread, and inherit its namespace.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
 
 use nix::sched::{CloneFlags, setns};
 
@@ -146,20 +146,14 @@ impl Netns {
         })
     }
 
-    /// Makes `cmd` enter this namespace in the child, between fork and exec, so the parent thread
-    /// never changes namespace. The fd must stay open until the command is spawned.
-    pub fn enter_in_child(&self, cmd: &mut std::process::Command) {
-        let raw = self.fd.as_raw_fd();
-        // SAFETY: the closure runs in the forked child before exec and only calls setns(2), which is
-        // async-signal-safe; `raw` is an fd inherited from the parent, valid until exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(raw, libc::CLONE_NEWNET) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+    /// Starts `cmd` inside this namespace. The child is spawned from a thread that has entered
+    /// the namespace (a child inherits its creator's), not moved by a `setns` between fork and
+    /// exec: a `pre_exec` hook makes std fork the whole parent, page tables and all, where
+    /// without one it uses `posix_spawn` (a vfork). In a busy agent or test harness the fork
+    /// costs milliseconds per child.
+    pub fn spawn(&self, cmd: &mut Command) -> io::Result<Child> {
+        self.run(|| cmd.spawn())
+            .map_err(|e| io::Error::other(e.to_string()))?
     }
 }
 
@@ -221,5 +215,24 @@ mod tests {
             .unwrap();
         assert_eq!(outer, inner);
         assert_ne!(outer, std::thread::current().id());
+    }
+
+    #[test]
+    fn spawn_starts_the_child_in_the_namespace_and_leaves_the_caller_where_it_was() {
+        crate::require_root!();
+        let pod = crate::test_support::TestNetns::new("spawn");
+        let ns = pod.open();
+        let before = Netns::current().unwrap().id();
+        let mut cmd = Command::new("readlink");
+        cmd.arg("/proc/self/ns/net")
+            .stdout(std::process::Stdio::piped());
+        let out = ns.spawn(&mut cmd).unwrap().wait_with_output().unwrap();
+        assert!(out.status.success());
+        // `net:[<inode>]`: the nsfs inode is the namespace's identity.
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("net:[{}]", ns.id().ino)
+        );
+        assert_eq!(Netns::current().unwrap().id(), before);
     }
 }

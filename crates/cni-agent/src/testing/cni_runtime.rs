@@ -339,14 +339,15 @@ impl CniRuntime {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if let Some(ns) = &self.netns {
-            ns.enter_in_child(&mut cmd);
-        }
         let exec_err = |source| CniRuntimeError::Exec {
             plugin_type: plugin_type.clone(),
             source,
         };
-        let mut child = cmd.spawn().map_err(exec_err)?;
+        let mut child = match &self.netns {
+            Some(ns) => ns.spawn(&mut cmd),
+            None => cmd.spawn(),
+        }
+        .map_err(exec_err)?;
         // A plugin may exit without reading stdin (VERSION-like shortcuts): EPIPE is not an error.
         let _ = child.stdin.take().expect("piped").write_all(&stdin);
         let out = child.wait_with_output().map_err(exec_err)?;

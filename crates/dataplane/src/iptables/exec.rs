@@ -81,12 +81,11 @@ impl Runner<'_> {
             Stdio::null()
         });
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        self.netns.enter_in_child(&mut cmd);
         let spawn_err = |source| ExecError::Spawn {
             binary: binary.clone(),
             source,
         };
-        let mut child = cmd.spawn().map_err(spawn_err)?;
+        let mut child = self.netns.spawn(&mut cmd).map_err(spawn_err)?;
         if let Some(input) = stdin {
             let mut pipe = child.stdin.take().expect("stdin piped");
             // A tool that exits early closes the pipe; its exit status tells the real story.
