@@ -22,6 +22,9 @@ pub struct KubeTestEnv {
     dir: tempfile::TempDir,
     /// `https://127.0.0.1:<port>`
     pub server: String,
+    /// Made once: every new client opens its own TLS connection, which cost each API call of a
+    /// test ~50 ms.
+    admin: std::sync::OnceLock<kube::Client>,
 }
 
 fn free_port() -> u16 {
@@ -85,6 +88,7 @@ impl KubeTestEnv {
             processes: Vec::new(),
             dir,
             server: String::new(),
+            admin: std::sync::OnceLock::new(),
         };
 
         let (client_port, peer_port) = (free_port(), free_port());
@@ -235,7 +239,9 @@ impl KubeTestEnv {
 
     /// A client with cluster-admin rights (group `system:masters`).
     pub fn client(&self) -> kube::Client {
-        kube::Client::try_from(self.config(ADMIN_TOKEN)).expect("admin client")
+        self.admin
+            .get_or_init(|| kube::Client::try_from(self.config(ADMIN_TOKEN)).expect("admin client"))
+            .clone()
     }
 
     /// Creates (if needed) the namespace and service account, and returns a client authenticated
