@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, LockResult, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, PodSpec, PodStatus};
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
@@ -14,7 +14,7 @@ use kube::runtime::watcher::{self, Event as WatchEvent, watcher};
 use tokio::sync::futures::Notified;
 use tokio::sync::{Notify, mpsc};
 
-use cni_core::enroll::{Labels, PodView};
+use cni_core::enroll::{Labels, PodView, SIDECAR_STATUS_ANNOTATION};
 use cni_core::reconcile::{PodFacts, REDIRECTION_ANNOTATION, Redirection};
 
 use crate::http::ReadyFlag;
@@ -94,10 +94,32 @@ pub enum ClusterEvent {
     Synced,
 }
 
-/// What a cached pod does not need: `managedFields` (server-side apply bookkeeping, often a third
-/// of a pod's size and never read here). Hundreds of pods per node are kept for the agent's life.
+/// What a cached pod keeps. Hundreds of pods per node are kept for the agent's life, and of most
+/// the agent reads only metadata, `hostNetwork`, the service account, phase and IPs: the rest of
+/// spec and status (containers, volumes, conditions, container statuses: the bulk of a pod) is
+/// dropped. A sidecar pod stays whole, as the plugin programs its rules from the pod it is handed.
+/// `managedFields` (server-side apply bookkeeping, often a third of a pod) goes from every pod.
 pub fn trim_pod(pod: &mut Pod) {
     pod.metadata.managed_fields = None;
+    let sidecar = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION));
+    if sidecar {
+        return;
+    }
+    pod.spec = pod.spec.take().map(|s| PodSpec {
+        host_network: s.host_network,
+        service_account_name: s.service_account_name,
+        ..PodSpec::default()
+    });
+    pod.status = pod.status.take().map(|s| PodStatus {
+        phase: s.phase,
+        pod_ip: s.pod_ip,
+        pod_ips: s.pod_ips,
+        ..PodStatus::default()
+    });
 }
 
 /// Facts about a pod for the pure reconcile rules.
@@ -284,5 +306,48 @@ impl Annotator {
             .get_metadata_opt(name)
             .await?;
         Ok(ns.map(|n| n.metadata.labels.unwrap_or_default()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::ambient::mesh::workload_info;
+
+    fn pod(annotations: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"namespace": "ns", "name": "p", "uid": "u1", "annotations": annotations,
+                         "labels": {"app": "a"}, "managedFields": [{"manager": "kubelet"}]},
+            "spec": {"hostNetwork": true, "serviceAccountName": "sa",
+                     "containers": [{"name": "app", "image": "app:1", "ports": [{"containerPort": 8080}]}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}],
+                       "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_cached_pod_keeps_what_enrollment_reads() {
+        let whole = pod(json!({"ambient.istio.io/redirection": "enabled"}));
+        let mut cached = whole.clone();
+        trim_pod(&mut cached);
+        assert!(cached.metadata.managed_fields.is_none());
+        assert_eq!(facts(&cached), facts(&whole));
+        assert_eq!(workload_info(&cached), workload_info(&whole));
+        let spec = cached.spec.unwrap();
+        assert!(spec.containers.is_empty());
+        assert!(cached.status.unwrap().conditions.is_none());
+    }
+
+    #[test]
+    fn a_sidecar_pod_is_cached_whole_but_for_managed_fields() {
+        let whole = pod(json!({"sidecar.istio.io/status": "{}"}));
+        let mut cached = whole.clone();
+        trim_pod(&mut cached);
+        assert!(cached.metadata.managed_fields.is_none());
+        assert_eq!(cached.spec, whole.spec);
+        assert_eq!(cached.status, whole.status);
     }
 }

@@ -12,7 +12,6 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
-use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher::{self, Event as WatchEvent, watcher};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -21,7 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::actions::{ActionError, Actions};
 use super::config::{BrokenPodFilter, RepairAction, RepairConfig};
 use super::events::EventRecorder;
-use super::filter::{is_broken, trim_for_cache};
+use super::filter::{is_broken, is_candidate};
 use crate::http::ReadyFlag;
 use crate::metrics::RepairLabels;
 
@@ -62,6 +61,70 @@ fn key_of(pod: &Pod) -> PodKey {
         pod.metadata.namespace.clone().unwrap_or_default(),
         pod.metadata.name.clone().unwrap_or_default(),
     )
+}
+
+/// The watched pods that can be broken ([`is_candidate`]), by key. The other pods of the node,
+/// most of an ambient node, are not kept at all.
+#[derive(Default)]
+struct Candidates {
+    pods: HashMap<PodKey, Arc<Pod>>,
+    /// The list in progress (initial, or after the watch fell behind), swapped in when it ends.
+    listing: Option<HashMap<PodKey, Arc<Pod>>>,
+}
+
+impl Candidates {
+    /// Applies one watch event; returns the keys of candidates that changed, appeared or left.
+    fn apply(&mut self, event: WatchEvent<Pod>, filter: &BrokenPodFilter) -> Vec<PodKey> {
+        match event {
+            WatchEvent::Init => {
+                self.listing = Some(HashMap::new());
+                Vec::new()
+            }
+            WatchEvent::InitApply(pod) => {
+                if let (Some(listing), Some((key, pod))) =
+                    (self.listing.as_mut(), keep(pod, filter))
+                {
+                    listing.insert(key, pod);
+                }
+                Vec::new()
+            }
+            WatchEvent::InitDone => {
+                let Some(listed) = self.listing.take() else {
+                    return Vec::new();
+                };
+                let before = std::mem::replace(&mut self.pods, listed);
+                let gone = before.into_keys().filter(|k| !self.pods.contains_key(k));
+                self.pods.keys().cloned().chain(gone).collect()
+            }
+            WatchEvent::Apply(pod) => {
+                let key = key_of(&pod);
+                match keep(pod, filter) {
+                    Some((key, pod)) => {
+                        self.pods.insert(key.clone(), pod);
+                        vec![key]
+                    }
+                    None => self.pods.remove(&key).map(|_| key).into_iter().collect(),
+                }
+            }
+            WatchEvent::Delete(pod) => {
+                let key = key_of(&pod);
+                self.pods.remove(&key).map(|_| key).into_iter().collect()
+            }
+        }
+    }
+
+    fn get(&self, key: &PodKey) -> Option<Arc<Pod>> {
+        self.pods.get(key).cloned()
+    }
+}
+
+/// A candidate as kept: without `managedFields`, which is never read here.
+fn keep(mut pod: Pod, filter: &BrokenPodFilter) -> Option<(PodKey, Arc<Pod>)> {
+    if !is_candidate(&pod, filter) {
+        return None;
+    }
+    pod.metadata.managed_fields = None;
+    Some((key_of(&pod), Arc::new(pod)))
 }
 
 pub struct RepairController {
@@ -115,7 +178,7 @@ impl RepairController {
         if !cfg.label_selector.is_empty() {
             wc = wc.labels(&cfg.label_selector);
         }
-        let (store, writer) = reflector::store();
+        let store = Arc::new(Mutex::new(Candidates::default()));
         let (tx, mut rx) = mpsc::unbounded_channel();
         let queue = Arc::new(Queue {
             tx,
@@ -126,7 +189,7 @@ impl RepairController {
             Api::<Pod>::all(self.client.clone()),
             wc,
             cfg.filter.clone(),
-            writer,
+            store.clone(),
             queue.clone(),
             synced_tx,
         ));
@@ -166,8 +229,13 @@ impl RepairController {
         watch.abort();
     }
 
-    async fn reconcile(&mut self, store: &Store<Pod>, key: &PodKey) -> Result<(), ActionError> {
-        let Some(pod) = store.get(&ObjectRef::new(&key.1).within(&key.0)) else {
+    async fn reconcile(
+        &mut self,
+        store: &Mutex<Candidates>,
+        key: &PodKey,
+    ) -> Result<(), ActionError> {
+        let pod = store.lock().unwrap().get(key);
+        let Some(pod) = pod else {
             self.repaired.remove(key);
             self.attempts.remove(key);
             return Ok(());
@@ -201,27 +269,140 @@ async fn watch_pods(
     api: Api<Pod>,
     wc: watcher::Config,
     filter: BrokenPodFilter,
-    writer: reflector::store::Writer<Pod>,
+    store: Arc<Mutex<Candidates>>,
     queue: Arc<Queue>,
     synced: oneshot::Sender<()>,
 ) {
     let mut synced = Some(synced);
-    let pods = watcher(api, wc)
-        .default_backoff()
-        .modify(move |pod| trim_for_cache(pod, &filter));
-    let mut stream = reflector::reflector(writer, pods).boxed();
+    let mut stream = watcher(api, wc).default_backoff().boxed();
     while let Some(event) = stream.next().await {
         match event {
-            Ok(WatchEvent::Apply(pod) | WatchEvent::InitApply(pod) | WatchEvent::Delete(pod)) => {
-                queue.add(key_of(&pod))
-            }
-            Ok(WatchEvent::InitDone) => {
-                if let Some(s) = synced.take() {
+            Ok(event) => {
+                let listed = matches!(event, WatchEvent::InitDone);
+                let changed = store.lock().unwrap().apply(event, &filter);
+                for key in changed {
+                    queue.add(key);
+                }
+                if listed && let Some(s) = synced.take() {
                     let _ = s.send(());
                 }
             }
-            Ok(WatchEvent::Init) => {}
             Err(e) => tracing::warn!(error = %e, "repair pod watch error, retrying with backoff"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn pod(name: &str, sidecar: bool) -> Pod {
+        let annotations = if sidecar {
+            json!({"sidecar.istio.io/status": "{}"})
+        } else {
+            json!({})
+        };
+        serde_json::from_value(json!({
+            "metadata": {"namespace": "ns", "name": name, "annotations": annotations,
+                         "managedFields": [{"manager": "kubelet"}]},
+            "spec": {"containers": [{"name": "app"}]}
+        }))
+        .unwrap()
+    }
+
+    fn key(name: &str) -> PodKey {
+        ("ns".into(), name.into())
+    }
+
+    fn list(c: &mut Candidates, pods: Vec<Pod>, filter: &BrokenPodFilter) -> Vec<PodKey> {
+        assert!(c.apply(WatchEvent::Init, filter).is_empty());
+        for p in pods {
+            assert!(c.apply(WatchEvent::InitApply(p), filter).is_empty());
+        }
+        let mut changed = c.apply(WatchEvent::InitDone, filter);
+        changed.sort();
+        changed
+    }
+
+    #[test]
+    fn only_pods_that_can_be_broken_are_kept_and_queued() {
+        let filter = BrokenPodFilter::default();
+        let mut c = Candidates::default();
+        let listed = list(
+            &mut c,
+            vec![pod("side", true), pod("plain", false)],
+            &filter,
+        );
+        assert_eq!(listed, vec![key("side")]);
+        let kept = c.get(&key("side")).expect("sidecar pod kept");
+        assert!(kept.metadata.managed_fields.is_none());
+        assert!(kept.spec.is_some(), "a candidate is kept whole");
+        assert!(c.get(&key("plain")).is_none());
+
+        assert!(
+            c.apply(WatchEvent::Apply(pod("plain", false)), &filter)
+                .is_empty()
+        );
+        assert!(
+            c.apply(WatchEvent::Delete(pod("plain", false)), &filter)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_pod_that_gains_or_loses_the_annotation_comes_and_goes() {
+        let filter = BrokenPodFilter::default();
+        let mut c = Candidates::default();
+        list(&mut c, vec![pod("p", false)], &filter);
+        assert_eq!(
+            c.apply(WatchEvent::Apply(pod("p", true)), &filter),
+            vec![key("p")]
+        );
+        assert!(c.get(&key("p")).is_some());
+        // Queued so the worker forgets what it knew of the pod.
+        assert_eq!(
+            c.apply(WatchEvent::Apply(pod("p", false)), &filter),
+            vec![key("p")]
+        );
+        assert!(c.get(&key("p")).is_none());
+        c.apply(WatchEvent::Apply(pod("p", true)), &filter);
+        assert_eq!(
+            c.apply(WatchEvent::Delete(pod("p", true)), &filter),
+            vec![key("p")]
+        );
+        assert!(c.get(&key("p")).is_none());
+    }
+
+    #[test]
+    fn a_relist_replaces_the_pods_and_queues_the_ones_that_vanished() {
+        let filter = BrokenPodFilter::default();
+        let mut c = Candidates::default();
+        list(&mut c, vec![pod("a", true), pod("b", true)], &filter);
+        assert!(c.apply(WatchEvent::Init, &filter).is_empty());
+        c.apply(WatchEvent::InitApply(pod("b", true)), &filter);
+        assert!(
+            c.get(&key("a")).is_some(),
+            "the old list serves until the new one is in"
+        );
+        let mut changed = c.apply(WatchEvent::InitDone, &filter);
+        changed.sort();
+        assert_eq!(changed, vec![key("a"), key("b")]);
+        assert!(c.get(&key("a")).is_none());
+        assert!(c.get(&key("b")).is_some());
+    }
+
+    #[test]
+    fn without_an_annotation_to_look_for_every_pod_is_kept() {
+        let filter = BrokenPodFilter {
+            sidecar_annotation: String::new(),
+            ..BrokenPodFilter::default()
+        };
+        let mut c = Candidates::default();
+        assert_eq!(
+            list(&mut c, vec![pod("plain", false)], &filter),
+            vec![key("plain")]
+        );
     }
 }

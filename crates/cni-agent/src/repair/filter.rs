@@ -18,13 +18,7 @@ fn terminated_matches(filter: &BrokenPodFilter, t: &ContainerStateTerminated) ->
 
 /// Whether `pod` has the sidecar-race symptom described by `filter`.
 pub fn is_broken(pod: &Pod, filter: &BrokenPodFilter) -> bool {
-    if !filter.sidecar_annotation.is_empty()
-        && !pod
-            .metadata
-            .annotations
-            .as_ref()
-            .is_some_and(|a| a.contains_key(&filter.sidecar_annotation))
-    {
+    if !is_candidate(pod, filter) {
         return false;
     }
     let statuses = pod
@@ -43,21 +37,15 @@ pub fn is_broken(pod: &Pod, filter: &BrokenPodFilter) -> bool {
         .any(|t| terminated_matches(filter, t))
 }
 
-/// What the repair cache keeps of a pod: all of a pod that can be broken, only the metadata of one
-/// that cannot (no sidecar annotation) — most pods of an ambient node, cached for the agent's life.
-/// A pod that gains the annotation comes back whole with that update.
-pub fn trim_for_cache(pod: &mut Pod, filter: &BrokenPodFilter) {
-    crate::ambient::cluster::trim_pod(pod);
-    let candidate = filter.sidecar_annotation.is_empty()
+/// Whether `pod` can be broken at all: it has the sidecar annotation, or no annotation is asked
+/// for. Most pods of an ambient node have none, and the repair watch does not keep them.
+pub fn is_candidate(pod: &Pod, filter: &BrokenPodFilter) -> bool {
+    filter.sidecar_annotation.is_empty()
         || pod
             .metadata
             .annotations
             .as_ref()
-            .is_some_and(|a| a.contains_key(&filter.sidecar_annotation));
-    if !candidate {
-        pod.spec = None;
-        pod.status = None;
-    }
+            .is_some_and(|a| a.contains_key(&filter.sidecar_annotation))
 }
 
 #[cfg(test)]
@@ -234,32 +222,5 @@ mod tests {
         }))
         .unwrap();
         assert!(!is_broken(&p, &BrokenPodFilter::default()));
-    }
-
-    #[test]
-    fn the_cache_keeps_whole_only_pods_that_can_be_broken() {
-        let filter = BrokenPodFilter::default();
-        let mut candidate = detect_pod("", 126);
-        candidate.metadata.managed_fields = Some(vec![Default::default()]);
-        trim_for_cache(&mut candidate, &filter);
-        assert!(candidate.metadata.managed_fields.is_none());
-        assert!(
-            is_broken(&candidate, &filter),
-            "a broken pod stays detectable"
-        );
-
-        let mut plain = pod(false, status(crash_loop(), died(126, "")));
-        trim_for_cache(&mut plain, &filter);
-        assert!(plain.spec.is_none() && plain.status.is_none());
-        assert_eq!(plain.metadata.name.as_deref(), Some("p"));
-
-        // Without an annotation to look for, every pod is a candidate.
-        let any = BrokenPodFilter {
-            sidecar_annotation: String::new(),
-            ..BrokenPodFilter::default()
-        };
-        let mut plain = pod(false, status(crash_loop(), died(126, "")));
-        trim_for_cache(&mut plain, &any);
-        assert!(is_broken(&plain, &any));
     }
 }
