@@ -243,7 +243,15 @@ impl TestNode {
             .open(self.path("agent.log"))
             .unwrap();
         let level = std::env::var("AGENT_LOG_LEVEL").unwrap_or_else(|_| "info".into());
-        let child = Command::new(binary_dir().join("install-cni"))
+        // `AGENT_WRAPPER="heaptrack -o /tmp/agent"` (or perf, valgrind...) runs the agent under a
+        // profiler; memory readings are then the wrapper's.
+        let agent = binary_dir().join("install-cni");
+        let wrapper = std::env::var("AGENT_WRAPPER").unwrap_or_default();
+        let mut argv: Vec<std::ffi::OsString> =
+            wrapper.split_whitespace().map(Into::into).collect();
+        argv.push(agent.into());
+        let child = Command::new(&argv[0])
+            .args(&argv[1..])
             .arg(format!("--log_output_level={level}"))
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
