@@ -2,7 +2,6 @@
 //! touch stdout.
 
 use std::io::{Read, Write};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use cni_core::cni::env::{about_text, check_stdin, read_env};
 use cni_core::cni::error::code;
@@ -18,19 +17,22 @@ enum Output {
 }
 
 pub fn main(env: &dyn EnvSource) -> i32 {
+    // A panic is a bug, but the runtime must still get a CNI error on stdout and exit 1. A hook,
+    // not catch_unwind: release builds abort on panic (Cargo.toml) and never unwind to a catch.
+    std::panic::set_hook(Box::new(|info| {
+        let what = info.payload_as_str().unwrap_or("unknown panic");
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        let e = CniError::internal(format!("istio-cni panicked: {what}{at}"));
+        let _ = writeln!(std::io::stderr(), "{e}");
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(&e.to_json()).and_then(|()| out.flush());
+        std::process::exit(1);
+    }));
     let mut log = Log::default();
-    let outcome = catch_unwind(AssertUnwindSafe(|| run(env, &mut log)));
-    let result = match outcome {
-        Ok(r) => r,
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_owned());
-            Err(CniError::internal(format!("istio-cni panicked: {what}")))
-        }
-    };
+    let result = run(env, &mut log);
     let exit = match result {
         Ok(Output::Stdout(bytes)) => {
             let mut out = std::io::stdout().lock();
