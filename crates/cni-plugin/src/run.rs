@@ -20,7 +20,12 @@ pub fn main(env: &dyn EnvSource) -> i32 {
     // A panic is a bug, but the runtime must still get a CNI error on stdout and exit 1. A hook,
     // not catch_unwind: release builds abort on panic (Cargo.toml) and never unwind to a catch.
     std::panic::set_hook(Box::new(|info| {
-        let what = info.payload_as_str().unwrap_or("unknown panic");
+        let payload = info.payload();
+        let what = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("unknown panic");
         let at = info
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))
