@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 
-use cni_agent::testing::node::{Backend, TestNode, TestPod};
+use cni_agent::testing::node::{Backend, TestNode, TestPod, plugin_binary};
 use cni_agent::testing::zds_peer::{PeerConfig, ZdsPeer};
 
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
@@ -173,6 +173,7 @@ async fn main() {
 
     println!("| measurement | result |");
     println!("|---|---|");
+    println!("| our plugin binary | {} |", plugin_binary().display());
     for (what, times) in [
         (
             "ambient CNI ADD, our plugin exec → result, one at a time, n=49",
