@@ -328,12 +328,18 @@ mod tests {
         .unwrap()
     }
 
-    #[test]
-    fn a_cached_pod_keeps_what_enrollment_reads() {
-        let whole = pod(json!({"ambient.istio.io/redirection": "enabled"}));
+    /// A pod with `annotations`, whole and as cached; no cached pod keeps `managedFields`.
+    fn whole_and_cached(annotations: serde_json::Value) -> (Pod, Pod) {
+        let whole = pod(annotations);
         let mut cached = whole.clone();
         trim_pod(&mut cached);
         assert!(cached.metadata.managed_fields.is_none());
+        (whole, cached)
+    }
+
+    #[test]
+    fn a_cached_pod_keeps_what_enrollment_reads() {
+        let (whole, cached) = whole_and_cached(json!({"ambient.istio.io/redirection": "enabled"}));
         assert_eq!(facts(&cached), facts(&whole));
         assert_eq!(workload_info(&cached), workload_info(&whole));
         let spec = cached.spec.unwrap();
@@ -343,10 +349,7 @@ mod tests {
 
     #[test]
     fn a_sidecar_pod_is_cached_whole_but_for_managed_fields() {
-        let whole = pod(json!({"sidecar.istio.io/status": "{}"}));
-        let mut cached = whole.clone();
-        trim_pod(&mut cached);
-        assert!(cached.metadata.managed_fields.is_none());
+        let (whole, cached) = whole_and_cached(json!({"sidecar.istio.io/status": "{}"}));
         assert_eq!(cached.spec, whole.spec);
         assert_eq!(cached.status, whole.status);
     }
