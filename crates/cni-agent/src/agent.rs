@@ -24,7 +24,7 @@ use crate::ambient::reconciler::{Policy, Reconciler};
 use crate::config::InstallConfig;
 use crate::http::{Readiness, health_router, metrics_router};
 use crate::install::Installer;
-use crate::metrics::{Metrics, ResultLabel};
+use crate::metrics::Metrics;
 use crate::netns_cache::NetnsCache;
 use crate::uds::PeerCheckedListener;
 use crate::zds::{ZdsConfig, ZdsMetrics, ZdsServer};
@@ -98,7 +98,7 @@ pub async fn run(
     let install_flag = readiness.condition("installer");
 
     let run_dir = install.run_dir.clone();
-    let mut installer = Installer::new(install);
+    let mut installer = Installer::new(install).count_results(metrics.installs.clone());
     let mut install_ready = installer.readiness();
     {
         let (flag, metrics) = (install_flag.clone(), metrics.clone());
@@ -107,14 +107,6 @@ pub async fn run(
                 let ready = *install_ready.borrow_and_update();
                 flag.set(ready);
                 metrics.install_ready.set(i64::from(ready));
-                if ready {
-                    metrics
-                        .installs
-                        .get_or_create(&ResultLabel {
-                            result: "SUCCESS".into(),
-                        })
-                        .inc();
-                }
                 if install_ready.changed().await.is_err() {
                     return;
                 }

@@ -34,6 +34,7 @@ use tokio::sync::watch as tokio_watch;
 
 use crate::config::{ConfMode, InstallConfig};
 use crate::hostfs::{EntryKind, FileMode, HostDir, HostFsError};
+use crate::metrics::{InstallResults, install_result};
 use discovery::DiscoveryError;
 use throttle::Throttle;
 use watch::{FileWatch, WatchError};
@@ -72,6 +73,7 @@ pub struct Installer {
     written: Option<Written>,
     installed_bins: Vec<String>,
     ready: tokio_watch::Sender<bool>,
+    results: Option<InstallResults>,
 }
 
 /// `X.conf` ↔ `X.conflist`.
@@ -101,6 +103,23 @@ impl Installer {
             written: None,
             installed_bins: Vec::new(),
             ready: tokio_watch::Sender::new(false),
+            results: None,
+        }
+    }
+
+    /// Counts every pass in `istio_cni_installs_total{result}` as Istio does: `SUCCESS` each time
+    /// the installation is verified and the watch starts, a failure label for the step that failed.
+    pub fn count_results(mut self, results: InstallResults) -> Self {
+        self.results = Some(results);
+        self
+    }
+
+    fn count(&self, result: &str) {
+        if let Some(r) = &self.results {
+            r.get_or_create(&crate::metrics::ResultLabel {
+                result: result.into(),
+            })
+            .inc();
         }
     }
 
@@ -140,8 +159,16 @@ impl Installer {
     /// Returns the path of the CNI config in place.
     pub async fn install_all(&mut self) -> Result<PathBuf, InstallError> {
         self.installed_bins =
-            binaries::copy_binaries(&self.cfg.bin_source_dir, &self.cfg.bin_dirs)?;
-        let kc = kubeconfig::write(&self.cfg)?;
+            match binaries::copy_binaries(&self.cfg.bin_source_dir, &self.cfg.bin_dirs) {
+                Ok(bins) => bins,
+                Err(e) => {
+                    self.count(install_result::COPY_BINARIES_FAILURE);
+                    return Err(e.into());
+                }
+            };
+        let kc = kubeconfig::write(&self.cfg).inspect_err(|_| {
+            self.count(install_result::CREATE_KUBECONFIG_FAILURE);
+        })?;
         tracing::info!("wrote kubeconfig {}", kc.display());
         if let Ok(content) = std::fs::read_to_string(&kc) {
             tracing::debug!("kubeconfig:\n{}", kubeconfig::redacted(&content));
@@ -150,7 +177,10 @@ impl Installer {
             Ok(()) => tracing::info!("valid Istio config present"),
             Err(reason) => {
                 tracing::info!("writing CNI config: {reason}");
-                self.write_conf().await?;
+                if let Err(e) = self.write_conf().await {
+                    self.count(install_result::CREATE_CNI_CONFIG_FAILURE);
+                    return Err(e);
+                }
             }
         }
         Ok(self
@@ -204,6 +234,7 @@ impl Installer {
             return Ok(());
         }
         self.set_ready(true);
+        self.count(install_result::SUCCESS);
         let result = loop {
             tokio::select! {
                 changed = watch.changed() => match changed {

@@ -2,6 +2,8 @@
 //! latency histograms Istio does not have. Counters are registered without `_total`;
 //! prometheus-client appends it, giving Istio's exported names.
 
+pub mod process;
+
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -37,11 +39,22 @@ pub struct BackendLabel {
     pub backend: String,
 }
 
+/// `istio_cni_installs_total`, by `result`.
+pub type InstallResults = Family<ResultLabel, Counter>;
+
+/// Istio's values of `istio_cni_installs_total{result}`.
+pub mod install_result {
+    pub const SUCCESS: &str = "SUCCESS";
+    pub const COPY_BINARIES_FAILURE: &str = "COPY_BINARIES_FAILURE";
+    pub const CREATE_KUBECONFIG_FAILURE: &str = "CREATE_KUBECONFIG_FAILURE";
+    pub const CREATE_CNI_CONFIG_FAILURE: &str = "CREATE_CNI_CONFIG_FAILURE";
+}
+
 /// Every metric the agent exports. Cloning shares the underlying values.
 #[derive(Clone)]
 pub struct Metrics {
     /// `istio_cni_installs_total{result}`
-    pub installs: Family<ResultLabel, Counter>,
+    pub installs: InstallResults,
     /// `istio_cni_install_ready`
     pub install_ready: Gauge,
     /// `istio_cni_repair_pods_repaired_total{type,result}`
@@ -147,6 +160,7 @@ impl Metrics {
             "Enrolled pods whose drifted rules were re-applied",
             m.drift_repairs.clone(),
         );
+        registry.register_collector(Box::new(process::ProcessCollector::current()));
         m
     }
 }
@@ -200,11 +214,31 @@ mod tests {
             "istio_cni_plugin_requests_total{response_code=\"200\"} 1",
             "istio_cni_zds_ack_duration_seconds_count 1",
             "istio_cni_zds_ack_duration_seconds_bucket{le=\"0.0001\"} 1",
+            "# TYPE process_cpu_seconds counter",
+            "# TYPE process_resident_memory_bytes gauge",
+            "# TYPE process_open_fds gauge",
+            "# TYPE process_max_fds gauge",
+            "# TYPE process_virtual_memory_bytes gauge",
+            "# TYPE process_start_time_seconds gauge",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
                 "missing {line:?} in:\n{text}"
             );
+        }
+        // CPU time can still be 0 ticks this early; memory and fds cannot.
+        for (sample, min) in [
+            ("process_cpu_seconds_total", 0.0),
+            ("process_resident_memory_bytes", 1.0),
+            ("process_open_fds", 1.0),
+        ] {
+            let value: f64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
+                .unwrap_or_else(|| panic!("no {sample} sample in:\n{text}"))
+                .parse()
+                .unwrap();
+            assert!(value >= min, "{sample} = {value}");
         }
     }
 }

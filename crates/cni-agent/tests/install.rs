@@ -919,3 +919,54 @@ async fn readiness_follows_the_watch_loop_and_token_rotation_refreshes_kubeconfi
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
 }
+
+/// `istio_cni_installs_total{result}` counts each failing step under Istio's label, and a verified
+/// installation as `SUCCESS`.
+#[tokio::test]
+async fn install_results_are_counted_by_failing_step() {
+    use cni_agent::metrics::{InstallResults, ResultLabel};
+    let count = |results: &InstallResults, result: &str| {
+        results
+            .get_or_create(&ResultLabel {
+                result: result.into(),
+            })
+            .get()
+    };
+    let not_a_dir = |path: &Path| {
+        std::fs::remove_dir_all(path).ok();
+        std::fs::write(path, "a file where a directory belongs").unwrap();
+    };
+    let standalone = [("CHAINED_CNI_PLUGIN", "false")];
+
+    let node = Node::new();
+    not_a_dir(&node.bin);
+    let results = InstallResults::default();
+    let mut installer = Installer::new(node.config(&standalone)).count_results(results.clone());
+    assert!(installer.install_all().await.is_err());
+    assert_eq!(count(&results, "COPY_BINARIES_FAILURE"), 1);
+
+    let node = Node::new();
+    not_a_dir(&node.run);
+    let mut installer = Installer::new(node.config(&standalone)).count_results(results.clone());
+    assert!(installer.install_all().await.is_err());
+    assert_eq!(count(&results, "CREATE_KUBECONFIG_FAILURE"), 1);
+
+    let node = Node::new();
+    not_a_dir(&node.conf);
+    let mut installer = Installer::new(node.config(&standalone)).count_results(results.clone());
+    assert!(installer.install_all().await.is_err());
+    assert_eq!(count(&results, "CREATE_CNI_CONFIG_FAILURE"), 1);
+    assert_eq!(count(&results, "SUCCESS"), 0);
+
+    let node = Node::new();
+    let mut installer = Installer::new(node.config(&standalone)).count_results(results.clone());
+    let mut ready = installer.readiness();
+    let task = tokio::spawn(async move { installer.run().await });
+    tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|r| *r))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(count(&results, "SUCCESS"), 1);
+    assert_eq!(count(&results, "COPY_BINARIES_FAILURE"), 1);
+    task.abort();
+}
