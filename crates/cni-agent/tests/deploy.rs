@@ -20,6 +20,9 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams, WatchParams};
 use serde_json::{Value, json};
 
+#[path = "deploy/chart_values.rs"]
+mod chart_values;
+
 const MANIFESTS: [&str; 2] = ["istio-cni.yaml", "istio-cni-ambient.yaml"];
 const PLATFORMS: [&str; 7] = ["", "gke", "k3d", "k3s", "microk8s", "minikube", "openshift"];
 
@@ -44,7 +47,8 @@ fn helm() -> &'static PathBuf {
     })
 }
 
-fn render(args: &[&str]) -> Vec<DynamicObject> {
+/// `helm template` of the chart with extra arguments: the objects, or helm's error output.
+fn try_render(args: &[&str]) -> Result<Vec<DynamicObject>, String> {
     let out = Command::new(helm())
         .args(["template", "istio-cni"])
         .arg(manifests::repo_file("deploy/charts/istio-cni"))
@@ -52,12 +56,16 @@ fn render(args: &[&str]) -> Vec<DynamicObject> {
         .args(args)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "helm template {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    manifests::documents(&String::from_utf8(out.stdout).unwrap())
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(manifests::documents(
+        &String::from_utf8(out.stdout).unwrap(),
+    ))
+}
+
+fn render(args: &[&str]) -> Vec<DynamicObject> {
+    try_render(args).unwrap_or_else(|e| panic!("helm template {args:?}: {e}"))
 }
 
 /// OpenShift's Multus CRD, so the NetworkAttachmentDefinition the multus provider renders is
@@ -165,6 +173,38 @@ async fn every_rendered_manifest_passes_server_side_dry_run() {
             checked += dry_run_all(&client, &format!("{args:?}"), &objs).await;
         }
     }
+    // Every profile and compatibility version, Istio's legacy `cni.` prefix, and AppArmor as
+    // the securityContext field (for Kubernetes >= 1.30, as the test API server is).
+    let mut value_sets: Vec<Vec<String>> = ["ambient", "demo", "preview", "remote", "stable"]
+        .iter()
+        .map(|p| vec![format!("profile={p}")])
+        .collect();
+    for minor in 25..=30 {
+        value_sets.push(vec![
+            "profile=ambient".into(),
+            format!("compatibilityVersion=1.{minor}"),
+        ]);
+    }
+    value_sets.push(
+        [
+            "cni.ambient.enabled=true",
+            "cni.chained=false",
+            "cni.repair.enabled=false",
+            "cni.resourceQuotas.enabled=true",
+            "cni.cniConfFileName=10-calico.conflist",
+        ]
+        .map(String::from)
+        .to_vec(),
+    );
+    value_sets.push(vec!["useAppArmorAnnotation=false".into()]);
+    for values in value_sets {
+        let mut args = vec!["--kube-version", "1.34.0"];
+        for v in &values {
+            args.extend(["--set", v.as_str()]);
+        }
+        let objs = render(&args);
+        checked += dry_run_all(&client, &format!("{values:?}"), &objs).await;
+    }
     eprintln!("{checked} objects passed server-side dry-run");
 }
 
@@ -227,18 +267,8 @@ fn platform_profiles_set_their_paths_and_user_values_win() {
     assert_eq!(cm.data["data"]["AMBIENT_DNS_CAPTURE"], "false");
     assert_eq!(cm.data["data"]["CNI_CONF_NAME"], "istio-cni.conf");
 
-    let out = Command::new(helm())
-        .args(["template", "x"])
-        .arg(manifests::repo_file("deploy/charts/istio-cni"))
-        .args(["--set", "global.platform=plan9"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("unknown global.platform"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let err = try_render(&["--set", "global.platform=plan9"]).unwrap_err();
+    assert!(err.contains("unknown global.platform \"plan9\""), "{err}");
 }
 
 /// One permission: (API group, resource, verb), as RBAC evaluates a request.
