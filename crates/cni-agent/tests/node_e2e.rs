@@ -64,7 +64,21 @@ async fn enrolls_on_cni_add(backend: Backend) {
     );
     node.wait_redirection(&pod, Some("enabled")).await;
     let rules = match backend {
-        Backend::Iptables => iptables_rules(&pod.netns),
+        Backend::Iptables => {
+            // The node namespace holds no rules at startup: nft, and the log says why.
+            let log = node.agent_log();
+            let chosen = log
+                .lines()
+                .find(|l| l.contains("iptables variant chosen"))
+                .unwrap_or_else(|| panic!("no variant in the startup log:\n{log}"));
+            assert!(
+                chosen.contains("iptables-nft (nft ") && chosen.contains("no rules in either"),
+                "{chosen}"
+            );
+            let legacy = pod.netns.exec("iptables-legacy-save", &[]);
+            assert!(!legacy.contains("ISTIO"), "rules in legacy:\n{legacy}");
+            iptables_rules(&pod.netns)
+        }
         Backend::Nftables => pod.netns.exec("nft", &["list", "ruleset"]),
     };
     assert!(

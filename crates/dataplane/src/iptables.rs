@@ -19,7 +19,7 @@ use cni_core::redirect::iptables::{
     replace_restore_text_claiming, restore_text,
 };
 
-use self::detect::{Binaries, DetectError};
+use self::detect::{Binaries, DetectError, Reason};
 use self::exec::{ExecError, Runner};
 use crate::inpod::{Drift, InpodRules, RuleError, RuleState};
 use crate::netns::{Netns, NetnsError};
@@ -193,6 +193,8 @@ fn no_prep(_: &Netns) -> Result<(), IptablesError> {
 /// Drives one detected iptables variant.
 pub struct IptablesBackend {
     bins: Binaries,
+    /// Why detection chose `bins` (`None`: given by the caller).
+    reason: Option<Reason>,
     lock_dir: Option<PathBuf>,
     canonical: Mutex<HashMap<(Family, String), Arc<Canonical>>>,
 }
@@ -204,16 +206,17 @@ impl IptablesBackend {
     /// Detects the variant in the calling thread's namespace (the host). `force` is the value of
     /// `FORCE_IPTABLES_BINARY`.
     pub fn detect(force: Option<&str>, ipv6: bool) -> Result<Self, IptablesError> {
-        Ok(Self::new(
-            detect::detect(force, ipv6)?,
-            Some(PathBuf::from(DEFAULT_LOCK_DIR)),
-        ))
+        let found = detect::detect(force, ipv6)?;
+        let mut backend = Self::new(found.binaries, Some(PathBuf::from(DEFAULT_LOCK_DIR)));
+        backend.reason = Some(found.reason);
+        Ok(backend)
     }
 
     /// `lock_dir`: per-namespace lock files for legacy >= 1.8.6 (`None`: the global xtables lock).
     pub fn new(bins: Binaries, lock_dir: Option<PathBuf>) -> Self {
         IptablesBackend {
             bins,
+            reason: None,
             lock_dir,
             canonical: Mutex::new(HashMap::new()),
         }
@@ -221,6 +224,15 @@ impl IptablesBackend {
 
     pub fn binaries(&self) -> &Binaries {
         &self.bins
+    }
+
+    /// The tools and why detection chose them, for logs: `iptables-nft (nft 1.8.9): kubelet's
+    /// KUBE-IPTABLES-HINT chain is in the nft IPv4 tables`.
+    pub fn choice(&self) -> String {
+        match &self.reason {
+            Some(why) => format!("{}: {why}", self.bins),
+            None => format!("{}: given", self.bins),
+        }
     }
 
     fn runner<'a>(

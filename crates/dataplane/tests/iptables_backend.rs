@@ -1,16 +1,190 @@
-//! The iptables backend against real namespaces, for both variants: apply, idempotence, drift
-//! repair in one transaction, config changes, removal without residue.
+//! The iptables backend against real namespaces, for both variants: variant detection from what
+//! a host namespace holds, apply, idempotence, drift repair in one transaction, config changes,
+//! removal without residue.
 
 use cni_core::redirect::{InpodConfig, InterfaceName};
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;
+use dataplane::iptables::detect::{Detection, Reason, Variant, detect};
 use dataplane::test_support::TestNetns;
 
+/// Detection as the agent runs it, in a namespace standing in for the host's (never this
+/// process's own, whose tables other tests and the machine share).
+fn detect_in(host: &TestNetns, force: Option<&str>) -> Detection {
+    host.open()
+        .run(|| detect(force, true))
+        .unwrap()
+        .unwrap_or_else(|e| panic!("detect in {}: {e}", host.name))
+}
+
 fn backends() -> Vec<(&'static str, IptablesBackend)> {
+    let host = TestNetns::new("ipt-host");
     ["nft", "legacy"]
         .into_iter()
-        .map(|v| (v, IptablesBackend::detect(Some(v), true).expect("detect")))
+        .map(|v| {
+            let b = host.open().run(|| IptablesBackend::detect(Some(v), true));
+            (v, b.unwrap().expect("detect"))
+        })
         .collect()
+}
+
+/// `ip(6)tables-<variant> <args>` inside `ns`.
+fn ipt(ns: &TestNetns, variant: &str, v6: bool, args: &[&str]) {
+    let tool = format!("{}tables-{variant}", if v6 { "ip6" } else { "ip" });
+    ns.exec(&tool, args);
+}
+
+fn add_rules(ns: &TestNetns, variant: &str, v6: bool, n: usize) {
+    for port in 0..n {
+        let port = (1000 + port).to_string();
+        ipt(
+            ns,
+            variant,
+            v6,
+            &["-A", "INPUT", "-p", "tcp", "--dport", &port, "-j", "ACCEPT"],
+        );
+    }
+}
+
+/// What some tool that once touched legacy leaves: tables with no rule in them.
+fn touch_legacy(ns: &TestNetns) {
+    for v6 in [false, true] {
+        for table in ["nat", "filter", "mangle"] {
+            ipt(ns, "legacy", v6, &["-t", table, "-N", "TOUCHED"]);
+            ipt(ns, "legacy", v6, &["-t", table, "-X", "TOUCHED"]);
+        }
+    }
+    let dump = ns.exec("iptables-legacy-save", &[]);
+    // Istio's rule (three lines or more) would take legacy here.
+    assert!(dump.lines().count() >= 3 && dump.contains("*nat"), "{dump}");
+}
+
+#[test]
+fn empty_legacy_tables_never_win() {
+    dataplane::require_root!();
+    let host = TestNetns::new("ipt-det-empty");
+    touch_legacy(&host);
+    let d = detect_in(&host, None);
+    assert_eq!(d.binaries.variant, Variant::Nft, "{d}");
+    assert_eq!(d.reason, Reason::NoRules);
+
+    // kube-proxy-like rules in nft next to the empty legacy tables.
+    add_rules(&host, "nft", false, 3);
+    let d = detect_in(&host, None);
+    assert_eq!(d.binaries.prefix, "iptables-nft", "{d}");
+    assert_eq!(d.reason, Reason::RuleLines { legacy: 0, nft: 3 });
+}
+
+#[test]
+fn detection_touches_no_table_of_the_variant_it_does_not_choose() {
+    dataplane::require_root!();
+    let host = TestNetns::new("ipt-det-clean");
+    let d = detect_in(&host, None);
+    assert_eq!(d.binaries.variant, Variant::Nft, "{d}");
+    for save in ["iptables-legacy-save", "ip6tables-legacy-save"] {
+        assert_eq!(host.exec(save, &[]), "", "detection created legacy tables");
+    }
+    // So the next start (an agent restart) decides the same way.
+    assert_eq!(detect_in(&host, None).reason, Reason::NoRules);
+}
+
+#[test]
+fn legacy_rules_choose_legacy() {
+    dataplane::require_root!();
+    let host = TestNetns::new("ipt-det-legacy");
+    add_rules(&host, "legacy", true, 2);
+    let d = detect_in(&host, None);
+    assert_eq!(d.binaries.prefix, "iptables-legacy", "{d}");
+    assert_eq!(d.reason, Reason::RuleLines { legacy: 2, nft: 0 });
+    // Fewer legacy rules than nft ones: nft.
+    add_rules(&host, "nft", false, 3);
+    assert_eq!(detect_in(&host, None).binaries.variant, Variant::Nft);
+}
+
+#[test]
+fn kubelet_hint_decides_in_each_variant_and_family() {
+    dataplane::require_root!();
+    // (variant holding kubelet's chain, IPv6, chain); the other variant gets more rules.
+    let cases = [
+        ("legacy", false, "KUBE-IPTABLES-HINT"),
+        ("legacy", true, "KUBE-KUBELET-CANARY"),
+        ("nft", false, "KUBE-KUBELET-CANARY"),
+        ("nft", true, "KUBE-IPTABLES-HINT"),
+    ];
+    for (variant, v6, chain) in cases {
+        let host = TestNetns::new("ipt-det-hint");
+        ipt(&host, variant, v6, &["-t", "mangle", "-N", chain]);
+        let other = if variant == "legacy" { "nft" } else { "legacy" };
+        add_rules(&host, other, false, 5);
+        let d = detect_in(&host, None);
+        assert_eq!(
+            d.binaries.prefix,
+            format!("iptables-{variant}"),
+            "{variant} {v6} {chain}: {d}"
+        );
+        let want = if variant == "legacy" {
+            Variant::Legacy
+        } else {
+            Variant::Nft
+        };
+        assert!(
+            matches!(d.reason, Reason::KubeletChain { variant: v, v6: f, chain: c }
+                if v == want && f == v6 && c == chain),
+            "{variant} {v6} {chain}: {d}"
+        );
+    }
+}
+
+#[test]
+fn forced_variant_wins_over_the_evidence() {
+    dataplane::require_root!();
+    let host = TestNetns::new("ipt-det-force");
+    add_rules(&host, "legacy", false, 2);
+    let d = detect_in(&host, Some("nft"));
+    assert_eq!(
+        (d.binaries.variant, d.reason),
+        (Variant::Nft, Reason::Forced)
+    );
+    let d = detect_in(&host, Some("legacy"));
+    assert_eq!(d.binaries.variant, Variant::Legacy);
+    assert!(matches!(
+        host.open().run(|| detect(Some("both"), true)).unwrap(),
+        Err(dataplane::iptables::detect::DetectError::BadForce(v)) if v == "both"
+    ));
+}
+
+#[test]
+fn pods_get_rules_only_in_the_nodes_variant() {
+    dataplane::require_root!();
+    for (node_variant, other) in [("legacy", "nft"), ("nft", "legacy")] {
+        let host = TestNetns::new("ipt-det-node");
+        ipt(
+            &host,
+            node_variant,
+            false,
+            &["-t", "mangle", "-N", "KUBE-IPTABLES-HINT"],
+        );
+        add_rules(&host, other, false, 4);
+        let b = host
+            .open()
+            .run(|| IptablesBackend::detect(None, true))
+            .unwrap()
+            .unwrap();
+        assert!(b.choice().contains("KUBE-IPTABLES-HINT"), "{}", b.choice());
+        let pod = TestNetns::new("ipt-det-pod");
+        let cfg = InpodConfig {
+            ipv6: true,
+            ..Default::default()
+        };
+        b.apply(&pod.open(), &cfg).unwrap();
+        for v6 in [false, true] {
+            let ip = if v6 { "ip6" } else { "ip" };
+            let mine = pod.exec(&format!("{ip}tables-{node_variant}-save"), &[]);
+            assert!(mine.contains("-j ISTIO_OUTPUT"), "{node_variant}: {mine}");
+            let theirs = pod.exec(&format!("{ip}tables-{other}-save"), &[]);
+            assert!(!theirs.contains("ISTIO"), "rules in {other}: {theirs}");
+        }
+    }
 }
 
 fn save(ns: &TestNetns, b: &IptablesBackend, v6: bool) -> String {

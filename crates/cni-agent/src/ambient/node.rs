@@ -52,8 +52,9 @@ impl NodeDataplane {
             }
         } else {
             // Detection runs in the host namespace: the pods use the variant the host uses.
-            let detected = host.run(|| IptablesBackend::detect(force_iptables, cfg.ipv6))?;
-            Backend::Iptables(detected?)
+            let detected = host.run(|| IptablesBackend::detect(force_iptables, cfg.ipv6))??;
+            tracing::info!(iptables = %detected.choice(), "iptables variant chosen");
+            Backend::Iptables(detected)
         };
         Ok(NodeDataplane { backend, host, cfg })
     }
