@@ -22,6 +22,8 @@ use serde_json::{Value, json};
 
 #[path = "deploy/chart_values.rs"]
 mod chart_values;
+#[path = "deploy/fake_cluster.rs"]
+mod fake_cluster;
 
 const MANIFESTS: [&str; 2] = ["istio-cni.yaml", "istio-cni-ambient.yaml"];
 const PLATFORMS: [&str; 7] = ["", "gke", "k3d", "k3s", "microk8s", "minikube", "openshift"];

@@ -7,6 +7,7 @@
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
+use super::fake_cluster::FakeCluster;
 use super::{render, try_render};
 use cni_agent::testing::manifests;
 
@@ -312,12 +313,50 @@ fn gke_bin_dir_follows_the_platform() {
     }
     let r = Rendered::set(&["platform=gke", "cniBinDir=/custom/bin"]);
     assert_eq!(r.host_path("cni-bin-dir").as_deref(), Some("/custom/bin"));
-    // Elsewhere (no `-gke` in the version: helm template cannot fake one) the empty default
-    // and an explicit empty value, as Istio's shared GKE profile sets, are /opt/cni/bin.
+    // Elsewhere (helm template's own version has no `-gke`) the empty default and an explicit
+    // empty value, as Istio's shared GKE profile sets, are /opt/cni/bin.
     for values in [&[][..], &["cni.cniBinDir="]] {
         let r = Rendered::set(values);
         assert_eq!(r.host_path("cni-bin-dir").as_deref(), Some("/opt/cni/bin"));
     }
+}
+
+/// What `helm install` sees: the cluster's own version string, `-gke` suffix included.
+#[test]
+fn gke_cluster_version_picks_the_gke_bin_dir_without_a_platform() {
+    let against = |git_version: &str, values: &[&str]| {
+        let cluster = FakeCluster::start(git_version);
+        let extra = [
+            "--validate",
+            "--disable-openapi-validation",
+            "--kubeconfig",
+            cluster.kubeconfig(),
+        ];
+        try_render(&args(values, &extra)).map(Rendered)
+    };
+    let bin_dir = |r: Rendered| r.host_path("cni-bin-dir").unwrap();
+    let gke = "v1.30.5-gke.1014001";
+    assert_eq!(bin_dir(against(gke, &[]).unwrap()), "/home/kubernetes/bin");
+    assert_eq!(bin_dir(against("v1.30.5", &[]).unwrap()), "/opt/cni/bin");
+    assert_eq!(
+        bin_dir(against(gke, &["cniBinDir=/opt/cni/bin"]).unwrap()),
+        "/opt/cni/bin",
+        "a value set beats the detection"
+    );
+    // The AppArmor field is judged by the cluster's version as well.
+    let err = match against("v1.29.8-gke.1031000", &["useAppArmorAnnotation=false"]) {
+        Ok(_) => panic!("rendered the AppArmor field for Kubernetes 1.29"),
+        Err(e) => e,
+    };
+    assert!(
+        err.contains("Kubernetes v1.29.8-gke.1031000 does not accept"),
+        "{err}"
+    );
+    let r = against("v1.31.1-gke.1", &["useAppArmorAnnotation=false"]).unwrap();
+    assert_eq!(
+        r.container()["securityContext"]["appArmorProfile"],
+        json!({"type": "Unconfined"})
+    );
 }
 
 #[test]
