@@ -1,8 +1,12 @@
 //! Plugin logging. stdout belongs to the CNI protocol, so records go to stderr (the runtime keeps
 //! it) as JSON lines; once the config names the agent's run dir they are also buffered and, at
 //! exit, handed to the agent over `<run dir>/log.sock` (`POST /log`, a JSON array of strings, one
-//! record each), so `kubectl logs` on the agent shows what the plugin did. That hand-off is best
-//! effort: 1 s at most, errors ignored, skipped when the socket does not exist.
+//! record each), so `kubectl logs` on the agent shows what the plugin did. That hand-off takes
+//! 1 s at most. When it fails (no socket, agent down, non-200), the records at info and above go
+//! to the node-local `<run dir>/istio-cni.log` instead (Istio's file name and size: 10 MB, one
+//! backup, two days), so an operator on the node sees why ADDs failed while the agent was away.
+//! Istio tees every record there; writing only what the agent did not get keeps the hot path free
+//! of file I/O and the file free of duplicates.
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -10,9 +14,19 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use cni_core::cmdadd::{LOG_PATH, LOG_SOCKET};
+use dataplane::logfile::{RotatingFile, Rotation};
 use serde_json::{Map, Value};
 
 use crate::http::{self, Deadline, Request};
+
+/// Istio's plugin log file in the agent run dir.
+pub const LOG_FILE: &str = "istio-cni.log";
+/// Istio's rotation of that file (lumberjack: 10 MB, 1 backup, 2 days).
+pub const LOG_FILE_ROTATION: Rotation = Rotation {
+    max_bytes: 10 * 1024 * 1024,
+    max_backups: 1,
+    max_age: Some(Duration::from_secs(2 * 86_400)),
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
@@ -51,7 +65,7 @@ pub struct Log {
     level: Level,
     /// Set once the config is parsed: where `log.sock` lives. Records are buffered from then on.
     run_dir: Option<PathBuf>,
-    buffer: Vec<String>,
+    buffer: Vec<(Level, String)>,
     /// Labels added to every record (the pod, once known).
     labels: Vec<(String, String)>,
 }
@@ -100,35 +114,63 @@ impl Log {
         let line = render(SystemTime::now(), level, msg, &self.labels, kv);
         let _ = writeln!(std::io::stderr().lock(), "{line}");
         if self.run_dir.is_some() {
-            self.buffer.push(line);
+            self.buffer.push((level, line));
         }
     }
 
-    /// Hands the buffered records to the agent; called once, at exit.
+    /// Hands the buffered records to the agent, or when it cannot take them, to the node-local
+    /// log file; called once, at exit.
     pub fn flush_to_agent(&mut self) {
-        let Some(dir) = &self.run_dir else { return };
+        let Some(dir) = self.run_dir.clone() else {
+            return;
+        };
         if self.buffer.is_empty() {
             return;
         }
-        let socket = dir.join(LOG_SOCKET);
-        if !socket.exists() {
-            return;
+        let records = std::mem::take(&mut self.buffer);
+        if let Err(why) = send_to_agent(&dir, &records) {
+            let mut file = RotatingFile::new(dir.join(LOG_FILE), LOG_FILE_ROTATION);
+            let note = render(
+                SystemTime::now(),
+                Level::Warn,
+                "agent log socket unavailable; records kept in this file",
+                &self.labels,
+                &[("reason", &why)],
+            );
+            let lines = std::iter::once(note.as_str()).chain(
+                records
+                    .iter()
+                    .filter(|(level, _)| *level >= Level::Info)
+                    .map(|(_, line)| line.as_str()),
+            );
+            for line in lines {
+                if let Err(e) = file.append(line.as_bytes()) {
+                    let _ = writeln!(std::io::stderr().lock(), "istio-cni: {e}");
+                    break;
+                }
+            }
         }
-        let body = serde_json::to_vec(&self.buffer).expect("in memory");
-        self.buffer.clear();
-        let until = Instant::now() + Duration::from_secs(1);
-        let Ok(stream) = UnixStream::connect(&socket) else {
-            return;
-        };
-        let mut stream = Deadline::new(stream, until);
-        let req = Request {
-            method: "POST",
-            host: "unix",
-            path: LOG_PATH,
-            headers: &[("Content-Type", "application/json")],
-            body: &body,
-        };
-        let _ = http::exchange(&mut stream, &req, 64 * 1024);
+    }
+}
+
+fn send_to_agent(dir: &std::path::Path, records: &[(Level, String)]) -> Result<(), String> {
+    let socket = dir.join(LOG_SOCKET);
+    let lines: Vec<&str> = records.iter().map(|(_, l)| l.as_str()).collect();
+    let body = serde_json::to_vec(&lines).expect("in memory");
+    let until = Instant::now() + Duration::from_secs(1);
+    let stream = UnixStream::connect(&socket).map_err(|e| format!("{}: {e}", socket.display()))?;
+    let mut stream = Deadline::new(stream, until);
+    let req = Request {
+        method: "POST",
+        host: "unix",
+        path: LOG_PATH,
+        headers: &[("Content-Type", "application/json")],
+        body: &body,
+    };
+    match http::exchange(&mut stream, &req, 64 * 1024) {
+        Ok(r) if r.status == 200 => Ok(()),
+        Ok(r) => Err(format!("{} answered {}", socket.display(), r.status)),
+        Err(e) => Err(format!("{}: {e}", socket.display())),
     }
 }
 
@@ -233,6 +275,6 @@ mod tests {
         log.info("dropped", &[]);
         log.error("kept", &[]);
         assert_eq!(log.buffer.len(), 1);
-        assert!(log.buffer[0].contains("\"kept\""));
+        assert!(log.buffer[0].1.contains("\"kept\""));
     }
 }

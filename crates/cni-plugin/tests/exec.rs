@@ -555,6 +555,62 @@ fn logs_are_forwarded_to_the_agent_log_socket() {
     // The same records went to stderr; stdout only has the result.
     assert!(out.stderr.contains("pod enrolled in the ambient mesh"));
     assert_eq!(out.stdout, PREV);
+    // Delivered, so nothing is kept on the node.
+    assert!(!dir.path().join("istio-cni.log").exists());
+}
+
+#[test]
+fn logs_the_agent_cannot_take_go_to_the_node_local_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("istio-cni.log");
+    // The agent refuses the pod and its log server is down: the operator must still see why.
+    let _a = agent(dir.path(), 500, "rules failed");
+    error_of(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV))));
+    let text = std::fs::read_to_string(&file).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        lines[0]["msg"]
+            .as_str()
+            .unwrap()
+            .contains("log socket unavailable")
+    );
+    assert!(lines[0]["reason"].as_str().unwrap().contains("log.sock"));
+    assert!(
+        lines.iter().any(|v| v["level"] == "error"
+            && v["pod"] == "default/web-0"
+            && v["error"].as_str().unwrap().contains("rules failed")),
+        "{text}"
+    );
+    // Istio's file keeps info and above, whatever the plugin's level.
+    assert!(lines.iter().all(|v| v["level"] != "debug"), "{text}");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&file).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+
+    // A log socket that refuses the records: appended, not overwritten.
+    let _sink = Server::unix(&dir.path().join("log.sock"), |_| (500, vec![]));
+    error_of(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV))));
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(text.matches("rules failed").count(), 2, "{text}");
+    assert!(text.contains("answered 500"), "{text}");
+}
+
+#[test]
+fn a_symlinked_log_file_is_not_followed() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "keep\n").unwrap();
+    std::os::unix::fs::symlink(&victim, dir.path().join("istio-cni.log")).unwrap();
+    let _a = agent(dir.path(), 500, "rules failed");
+    let out = add(POD_ARGS, &conf(dir.path(), true, Some(PREV)));
+    error_of(&out);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep\n");
+    assert!(out.stderr.contains("not writing to it"), "{}", out.stderr);
 }
 
 // ---- the API server over HTTPS ----------------------------------------------------------------
