@@ -511,3 +511,156 @@ async fn lifecycle_rows_terminated_deleted_excluded_host_network() {
     );
     assert_eq!(peer.status().workloads.len(), 0, "{:#?}", peer.status());
 }
+
+/// Everything either backend could have programmed in a namespace.
+fn rules_of_both_backends(netns: &dataplane::test_support::TestNetns) -> String {
+    format!(
+        "{}{}",
+        iptables_rules(netns),
+        netns.exec("nft", &["list", "ruleset"])
+    )
+}
+
+fn assert_pod_clean(pod: &cni_agent::testing::node::TestPod) {
+    let rules = rules_of_both_backends(&pod.netns);
+    assert!(
+        !rules.contains("ISTIO") && !rules.contains("istio"),
+        "{} left the mesh with rules of a backend:\n{rules}",
+        pod.name
+    );
+}
+
+/// Only nftables (`nft`) or only iptables (`ipt`) redirects the pod.
+fn assert_pod_redirected_by(pod: &cni_agent::testing::node::TestPod, backend: Backend) {
+    let (ipt, nft) = (
+        iptables_rules(&pod.netns),
+        pod.netns.exec("nft", &["list", "ruleset"]),
+    );
+    let (has_ipt, has_nft) = (
+        ipt.contains("ISTIO_OUTPUT"),
+        nft.contains("istio-ambient-nat"),
+    );
+    assert_eq!(
+        (has_ipt, has_nft),
+        (backend == Backend::Iptables, backend == Backend::Nftables),
+        "{} should be redirected by {backend:?} only:\n{ipt}\n{nft}",
+        pod.name
+    );
+}
+
+fn assert_host_is(node: &TestNode, backend: Backend) {
+    let host = &node.node_netns;
+    let (ipt, sets, nft) = (
+        iptables_rules(host),
+        host.exec("ipset", &["list", "-n"]),
+        host.exec("nft", &["list", "ruleset"]),
+    );
+    assert_eq!(
+        (
+            ipt.contains("ISTIO_POSTRT"),
+            sets.contains("istio-inpod-probes-v4"),
+            nft.contains("istio-ambient-nat")
+        ),
+        (
+            backend == Backend::Iptables,
+            backend == Backend::Iptables,
+            backend == Backend::Nftables
+        ),
+        "host should hold {backend:?} state only:\n{ipt}\nipsets: {sets}\n{nft}"
+    );
+}
+
+/// A request through the peer's proxies: the client's outbound and the server's inbound
+/// listeners each count one more connection.
+async fn request_through_peer(
+    peer: &ZdsPeer,
+    client: &cni_agent::testing::node::TestPod,
+    server: &cni_agent::testing::node::TestPod,
+) {
+    let before = peer.status();
+    let (c0, s0) = (
+        before.workloads[&client.uid].connections,
+        before.workloads[&server.uid].connections,
+    );
+    let answer =
+        tokio::task::block_in_place(|| cni_agent::testing::node::app_request(client, server, 8080))
+            .unwrap_or_else(|e| panic!("{} → {}: {e}", client.name, server.name));
+    assert_eq!(answer, format!("hello from {}\n", server.name));
+    let after = peer.status();
+    assert_eq!(
+        (
+            after.workloads[&client.uid].connections,
+            after.workloads[&server.uid].connections
+        ),
+        (c0 + 1, s0 + 1),
+        "{} → {} bypassed the peer: {after:#?}",
+        client.name,
+        server.name
+    );
+}
+
+/// A DaemonSet rollout that changes the backend (iptables → nftables, then back) on a node with
+/// pods enrolled under each: nothing of the previous backend is left on the host or in any pod,
+/// pods enrolled before a switch are redirected by the new backend (without startup
+/// reconciliation), and pods leaving the mesh afterwards are clean of both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_switch_on_a_live_node_strands_nothing() {
+    dataplane::require_root!();
+    use cni_agent::testing::node::serve_hello;
+    let mut node = TestNode::start(Backend::Iptables).await;
+    node.extra_env.push((
+        "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP".into(),
+        "false".into(),
+    ));
+    let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
+    cfg.max_backoff = Duration::from_millis(200);
+    cfg.proxies = Some(std::sync::Arc::new(
+        cni_agent::testing::zds_peer::PodProxies,
+    ));
+    let peer = ZdsPeer::start(cfg);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let mut pods = Vec::new();
+    for name in ["old-a", "old-b"] {
+        let (pod, r) = node.create_pod("mesh", name, &[]).await;
+        r.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+        serve_hello(&pod, 8080);
+        pods.push(pod);
+    }
+    let [old_a, old_b] = <[_; 2]>::try_from(pods).ok().unwrap();
+    assert_host_is(&node, Backend::Iptables);
+    assert_pod_redirected_by(&old_a, Backend::Iptables);
+
+    node.switch_backend(Backend::Nftables).await;
+    assert_host_is(&node, Backend::Nftables);
+    for pod in [&old_a, &old_b] {
+        assert_pod_redirected_by(pod, Backend::Nftables);
+    }
+    let (new_c, r) = node.create_pod("mesh", "new-c", &[]).await;
+    r.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    serve_hello(&new_c, 8080);
+    assert_pod_redirected_by(&new_c, Backend::Nftables);
+    request_through_peer(&peer, &old_b, &old_a).await;
+    request_through_peer(&peer, &new_c, &old_a).await;
+
+    // One pod from each side of the switch leaves the mesh.
+    for pod in [&old_b, &new_c] {
+        node.label_pod(pod, AMBIENT.0, Some("none")).await;
+        node.wait_redirection(pod, None).await;
+        wait_peer_has(&peer, &pod.uid, false).await;
+        assert_pod_clean(pod);
+    }
+
+    // And back: the nftables state goes, the pods left are redirected by iptables.
+    node.switch_backend(Backend::Iptables).await;
+    assert_host_is(&node, Backend::Iptables);
+    assert_pod_redirected_by(&old_a, Backend::Iptables);
+    let (new_d, r) = node.create_pod("mesh", "new-d", &[]).await;
+    r.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    wait_peer_has(&peer, &new_d.uid, true).await;
+    request_through_peer(&peer, &new_d, &old_a).await;
+    for pod in [&old_a, &new_d] {
+        node.label_pod(pod, AMBIENT.0, Some("none")).await;
+        node.wait_redirection(pod, None).await;
+        assert_pod_clean(pod);
+    }
+}

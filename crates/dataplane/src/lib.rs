@@ -5,6 +5,7 @@ pub mod heap;
 pub mod host;
 pub mod inpod;
 pub mod iptables;
+pub mod leftovers;
 pub mod logfile;
 pub mod netlink;
 pub mod netns;

@@ -40,6 +40,8 @@ pub trait PodRules: Send + Sync + 'static {
     fn enroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError>;
     fn unenroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError>;
     fn verify(&self, netns: &Netns, cfg: &InpodConfig) -> Result<RuleState, BoxError>;
+    /// Whether the pod still holds rules of the backend the node used before a switch.
+    fn leftovers(&self, netns: &Netns) -> Result<bool, BoxError>;
 }
 
 /// The host's set of enrolled pod IPs that kubelet probes are SNATed for.
@@ -514,8 +516,12 @@ impl Mesh {
                 restored.push(pod.clone());
             }
         }
+        // A pod still redirected by the backend used before a switch is repaired either way:
+        // left alone it would keep redirecting after it leaves the mesh.
         if reconcile {
             self.repair_drift(&restored).await;
+        } else {
+            self.repair_where(&restored, true).await;
         }
     }
 
@@ -523,10 +529,19 @@ impl Mesh {
     /// them where they drifted (someone flushed a table, a rule was deleted or added). Returns how
     /// many pods were repaired.
     pub async fn repair_drift(&self, pods: &[Arc<Pod>]) -> usize {
+        self.repair_where(pods, false).await
+    }
+
+    /// [`repair_drift`](Self::repair_drift); with `leftovers_only`, only of the pods that hold
+    /// the previous backend's rules.
+    async fn repair_where(&self, pods: &[Arc<Pod>], leftovers_only: bool) -> usize {
         use futures::StreamExt;
         // Futures collected first: a closure inside the stream would make the whole reconciler
         // future lose `Send` (a known higher-ranked lifetime limit).
-        let checks: Vec<_> = pods.iter().map(|pod| self.repair_one(pod)).collect();
+        let checks: Vec<_> = pods
+            .iter()
+            .map(|pod| self.repair_one(pod, leftovers_only))
+            .collect();
         let results: Vec<bool> = futures::stream::iter(checks)
             .buffer_unordered(PARALLEL_NETNS_WORK)
             .collect()
@@ -534,7 +549,7 @@ impl Mesh {
         results.into_iter().filter(|repaired| *repaired).count()
     }
 
-    async fn repair_one(&self, pod: &Arc<Pod>) -> bool {
+    async fn repair_one(&self, pod: &Arc<Pod>, leftovers_only: bool) -> bool {
         let Some(uid) = pod.metadata.uid.as_deref() else {
             return false;
         };
@@ -547,9 +562,14 @@ impl Mesh {
             return false;
         };
         let rules = self.rules.clone();
-        let result = tokio::task::spawn_blocking(move || match rules.verify(&netns, &cfg)? {
-            RuleState::InSync => Ok(None),
-            state => rules.enroll(&netns, &cfg).map(|()| Some(state)),
+        let result = tokio::task::spawn_blocking(move || {
+            if leftovers_only && !rules.leftovers(&netns)? {
+                return Ok(None);
+            }
+            match rules.verify(&netns, &cfg)? {
+                RuleState::InSync => Ok(None),
+                state => rules.enroll(&netns, &cfg).map(|()| Some(state)),
+            }
         })
         .await
         .unwrap_or_else(|e| Err(e.to_string().into()));

@@ -1,5 +1,8 @@
 //! The node's dataplane as the agent uses it: the chosen backend for in-pod rules, and the host
 //! side (probe SNAT rule and the set of enrolled pod IPs) in the host network namespace.
+//!
+//! The other backend's state, left by an agent that ran with it before a switch, is removed from
+//! the host at startup and from each pod whenever the pod is enrolled, repaired or removed.
 
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -9,8 +12,9 @@ use std::sync::Arc;
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::iptables::Family;
 use cni_core::redirect::nft::HostProbeConfig;
-use dataplane::inpod::{InpodRules, RuleState};
+use dataplane::inpod::{Drift, InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;
+use dataplane::leftovers::{self, IptablesLeftovers};
 use dataplane::netns::Netns;
 use dataplane::nft::NftablesBackend;
 use dataplane::nft::host::ProbeSets;
@@ -19,7 +23,11 @@ use super::mesh::{BoxError, PodRules, ProbeSet};
 
 enum Backend {
     Iptables(IptablesBackend),
-    Nftables { host: HostProbeConfig },
+    Nftables {
+        host: HostProbeConfig,
+        /// What an iptables agent may have left on this node.
+        previous: IptablesLeftovers,
+    },
 }
 
 pub struct NodeDataplane {
@@ -49,6 +57,7 @@ impl NodeDataplane {
                     probe_snat_v4: cfg.probe_snat_v4,
                     probe_snat_v6: cfg.probe_snat_v6,
                 },
+                previous: IptablesLeftovers::find(),
             }
         } else {
             // Detection runs in the host namespace: the pods use the variant the host uses.
@@ -66,6 +75,52 @@ impl NodeDataplane {
         }
     }
 
+    /// The backend not in use, as logs name it.
+    fn previous_name(&self) -> &'static str {
+        match &self.backend {
+            Backend::Iptables(_) => "nftables",
+            Backend::Nftables { .. } => "iptables",
+        }
+    }
+
+    /// Whether the pod still holds rules of the backend not in use.
+    pub fn leftovers_in_pod(&self, netns: &Netns) -> Result<bool, BoxError> {
+        Ok(match &self.backend {
+            Backend::Iptables(_) => leftovers::nft_in_pod(netns)?,
+            Backend::Nftables { previous, .. } => previous.in_pod(netns)?,
+        })
+    }
+
+    /// Removes the rules of the backend not in use from the pod.
+    fn clear_pod_leftovers(&self, netns: &Netns) -> Result<(), BoxError> {
+        let cleared = match &self.backend {
+            Backend::Iptables(_) => leftovers::clear_nft_pod(netns)?,
+            Backend::Nftables { previous, .. } => previous.clear_pod(netns)?,
+        };
+        if cleared {
+            tracing::info!(
+                previous = self.previous_name(),
+                "removed the previous backend's in-pod rules"
+            );
+        }
+        Ok(())
+    }
+
+    /// Removes the host rules and probe sets of the backend not in use.
+    fn clear_host_leftovers(&self) -> Result<(), BoxError> {
+        let cleared = match &self.backend {
+            Backend::Iptables(_) => leftovers::clear_nft_host(&self.host)?,
+            Backend::Nftables { previous, .. } => previous.clear_host(&self.host)?,
+        };
+        if cleared {
+            tracing::info!(
+                previous = self.previous_name(),
+                "removed the previous backend's host rules and probe sets"
+            );
+        }
+        Ok(())
+    }
+
     fn families(&self) -> Vec<Family> {
         if self.cfg.ipv6 {
             vec![Family::V4, Family::V6]
@@ -74,8 +129,10 @@ impl NodeDataplane {
         }
     }
 
-    /// Host probe rules and an empty probe set (startup re-adds the enrolled pods' IPs).
+    /// Host probe rules and an empty probe set (startup re-adds the enrolled pods' IPs); the
+    /// other backend's host state goes.
     pub fn setup_host(&self) -> Result<(), BoxError> {
+        self.clear_host_leftovers()?;
         match &self.backend {
             Backend::Iptables(b) => {
                 dataplane::host::apply_rules(&self.host, b, &self.cfg)?;
@@ -84,13 +141,17 @@ impl NodeDataplane {
                     sets.flush(f)?;
                 }
             }
-            Backend::Nftables { host } => dataplane::nft::host::apply_host_rules(&self.host, host)?,
+            Backend::Nftables { host, .. } => {
+                dataplane::nft::host::apply_host_rules(&self.host, host)?
+            }
         }
         Ok(())
     }
 
-    /// Removes the host rules and the probe sets (uninstall; an upgrade keeps them).
+    /// Removes the host rules and the probe sets, of both backends (uninstall; an upgrade keeps
+    /// them).
     pub fn teardown_host(&self) -> Result<(), BoxError> {
+        self.clear_host_leftovers()?;
         match &self.backend {
             Backend::Iptables(b) => {
                 dataplane::host::remove_rules(&self.host, b)?;
@@ -111,15 +172,43 @@ impl PodRules for NodeDataplane {
     }
 
     fn enroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError> {
-        Ok(dataplane::pod::enroll(netns, cfg, self.rules())?)
+        // One thread in the pod for both steps (nested runs happen in place).
+        netns.run(|| {
+            self.clear_pod_leftovers(netns)?;
+            Ok(dataplane::pod::enroll(netns, cfg, self.rules())?)
+        })?
     }
 
     fn unenroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError> {
-        Ok(dataplane::pod::unenroll(netns, cfg, self.rules())?)
+        netns.run(|| {
+            let ours = dataplane::pod::unenroll(netns, cfg, self.rules());
+            let previous = self.clear_pod_leftovers(netns);
+            ours?;
+            previous
+        })?
     }
 
     fn verify(&self, netns: &Netns, cfg: &InpodConfig) -> Result<RuleState, BoxError> {
-        Ok(dataplane::pod::verify(netns, cfg, self.rules())?)
+        netns.run(|| {
+            let state = dataplane::pod::verify(netns, cfg, self.rules())?;
+            if !self.leftovers_in_pod(netns)? {
+                return Ok(state);
+            }
+            // Still redirected by the previous backend: drift, so a repair replaces it.
+            let mut drift = match state {
+                RuleState::Drifted(d) => d,
+                _ => Drift::default(),
+            };
+            drift.unexpected.push(format!(
+                "(rules of the previous backend, {})",
+                self.previous_name()
+            ));
+            Ok(RuleState::Drifted(drift))
+        })?
+    }
+
+    fn leftovers(&self, netns: &Netns) -> Result<bool, BoxError> {
+        netns.run(|| self.leftovers_in_pod(netns))?
     }
 }
 
@@ -132,7 +221,7 @@ impl ProbeSet for NodeDataplane {
                 }
                 dataplane::host::ProbeSet { host: &self.host }.upsert(ip, uid)?;
             }
-            Backend::Nftables { host } => {
+            Backend::Nftables { host, .. } => {
                 ProbeSets { ipv6: host.ipv6 }.upsert(&self.host, ip, uid)?;
             }
         }
@@ -150,7 +239,7 @@ impl ProbeSet for NodeDataplane {
                     tracing::warn!(%ip, uid, owner = %other, "probe set entry belongs to another pod; kept");
                 }
             }
-            Backend::Nftables { host } => {
+            Backend::Nftables { host, .. } => {
                 ProbeSets { ipv6: host.ipv6 }.remove(&self.host, ip, uid)?;
             }
         }
@@ -159,7 +248,7 @@ impl ProbeSet for NodeDataplane {
 
     fn upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
         match &self.backend {
-            Backend::Nftables { host } => {
+            Backend::Nftables { host, .. } => {
                 let refs: Vec<(IpAddr, &str)> = entries
                     .iter()
                     .map(|(ip, uid)| (*ip, uid.as_str()))
@@ -182,7 +271,7 @@ impl ProbeSet for NodeDataplane {
                     sets.prune(f, &keep)?;
                 }
             }
-            Backend::Nftables { host } => {
+            Backend::Nftables { host, .. } => {
                 ProbeSets { ipv6: host.ipv6 }.prune(&self.host, keep)?;
             }
         }

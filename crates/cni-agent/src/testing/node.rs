@@ -70,6 +70,8 @@ pub struct TestNode {
     pub health_port: u16,
     pub metrics_port: u16,
     pub backend: Backend,
+    /// Added to (and overriding) [`agent_env`](Self::agent_env) from the next agent start.
+    pub extra_env: Vec<(String, String)>,
     agent: Option<Child>,
     kubelet: Option<Child>,
     api_forwarder: std::net::TcpListener,
@@ -103,6 +105,16 @@ fn forward_loopback(node: &TestNetns, port: u16) -> std::net::TcpListener {
         }
     });
     listener
+}
+
+/// The nftables host rule matches kubelet's UID, found from a process named kubelet.
+fn fake_kubelet(dir: &Path) -> Child {
+    let fake = dir.join("kubelet");
+    std::fs::copy("/bin/sleep", &fake).unwrap();
+    Command::new(&fake)
+        .arg("infinity")
+        .spawn()
+        .expect("fake kubelet")
 }
 
 fn free_port() -> u16 {
@@ -179,15 +191,7 @@ impl TestNode {
         )
         .unwrap();
 
-        let kubelet = (backend == Backend::Nftables).then(|| {
-            // The nftables host rule matches kubelet's UID, found from a process named kubelet.
-            let fake = d.join("kubelet");
-            std::fs::copy("/bin/sleep", &fake).unwrap();
-            Command::new(&fake)
-                .arg("infinity")
-                .spawn()
-                .expect("fake kubelet")
-        });
+        let kubelet = (backend == Backend::Nftables).then(|| fake_kubelet(d));
 
         let node_netns = TestNetns::new("node");
         let api_forwarder = forward_loopback(&node_netns, kube.port());
@@ -199,6 +203,7 @@ impl TestNode {
             health_port: free_port(),
             metrics_port: free_port(),
             backend,
+            extra_env: Vec::new(),
             agent: None,
             kubelet,
             dir,
@@ -241,7 +246,25 @@ impl TestNode {
             ("EXCLUDE_NAMESPACES", "kube-system".into()),
             ("DRIFT_CHECK_INTERVAL_SECONDS", "1".into()),
         ];
-        env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+        let mut env: Vec<(String, String)> =
+            env.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        for (k, v) in &self.extra_env {
+            env.retain(|(have, _)| have != k);
+            env.push((k.clone(), v.clone()));
+        }
+        env
+    }
+
+    /// Stops the agent without cleanup (as a DaemonSet rollout does), and starts it again with
+    /// `backend`, leaving everything the old agent programmed in place.
+    pub async fn switch_backend(&mut self, backend: Backend) {
+        self.kill_agent();
+        self.backend = backend;
+        if backend == Backend::Nftables && self.kubelet.is_none() {
+            self.kubelet = Some(fake_kubelet(self.dir.path()));
+        }
+        self.start_agent();
+        self.wait_ready().await;
     }
 
     pub fn start_agent(&mut self) {

@@ -343,6 +343,36 @@ impl NetlinkDeserializable for Raw {
     }
 }
 
+/// Names of the ip and ip6 tables in the namespace: where iptables-nft keeps its rules (`nat`,
+/// `mangle`, ...). One dump over every family, so the caller can tell cheaply whether running
+/// the iptables tools there is worth it.
+pub fn xtables_table_names(sock: &mut NetlinkSocket) -> Result<Vec<String>, NetlinkError> {
+    let request = || {
+        NetfilterMessage::new(
+            NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
+            NfTablesMessage::GetTable(TableMessage { attributes: vec![] }),
+        )
+    };
+    Ok(dump_retrying(sock, request)?
+        .into_iter()
+        .filter(|m| {
+            matches!(
+                m.header.family,
+                NetfilterProtoFamily::IPv4 | NetfilterProtoFamily::IPv6
+            )
+        })
+        .filter_map(|m| match m.inner {
+            netlink_packet_netfilter::NetfilterMessageInner::NfTables(
+                NfTablesMessage::NewTable(t),
+            ) => t.attributes.into_iter().find_map(|a| match a {
+                TableAttribute::Name(n) => Some(n),
+                _ => None,
+            }),
+            _ => None,
+        })
+        .collect())
+}
+
 /// Reads the named inet tables (chains, sets and rules) from the kernel; absent tables are left
 /// out of the result. Rules come back grouped by chain, in evaluation order.
 pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, NetlinkError> {
