@@ -46,32 +46,6 @@ pub enum Command {
     Dataplane(crate::dataplane_cli::DataplaneArgs),
 }
 
-fn tracing_level(level: &str) -> tracing_subscriber::filter::LevelFilter {
-    use tracing_subscriber::filter::LevelFilter;
-    match level {
-        "none" => LevelFilter::OFF,
-        "fatal" | "error" => LevelFilter::ERROR,
-        "warn" => LevelFilter::WARN,
-        "debug" => LevelFilter::DEBUG,
-        _ => LevelFilter::INFO,
-    }
-}
-
-/// Logs go to stderr; stdout carries command output (the path printed by `install --once`).
-fn init_logging(log: &LogArgs) -> Result<(), config::ConfigError> {
-    let level = tracing_level(&log.level_of("cni-agent")?);
-    let builder = tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .with_target(false);
-    if log.log_as_json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-    Ok(())
-}
-
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (
@@ -192,7 +166,7 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
-    if let Err(e) = init_logging(&cli.log) {
+    if let Err(e) = crate::logging::init(&cli.log) {
         eprintln!("install-cni: {e}");
         return ExitCode::FAILURE;
     }

@@ -8,6 +8,7 @@ pub mod dataplane_cli;
 pub mod hostfs;
 pub mod http;
 pub mod install;
+pub mod logging;
 pub mod logsock;
 pub mod metrics;
 pub mod netns_cache;

@@ -970,3 +970,78 @@ async fn install_results_are_counted_by_failing_step() {
     assert_eq!(count(&results, "COPY_BINARIES_FAILURE"), 1);
     task.abort();
 }
+
+/// Istio's `istio.io/pkg/log` flags are accepted (Helm and operators pass them) and do what they say.
+#[test]
+fn istio_log_flags_are_accepted_and_take_effect() {
+    let node = Node::new();
+    node.put("10-calico.conflist", &fixture("pre/calico.conflist"));
+    let logs = tempfile::tempdir().unwrap();
+    let file = logs.path().join("agent.log");
+    let target = format!("--log_target={}", file.display());
+    let out = node
+        .command(
+            &[&target, "--log_caller=cni-agent", "install", "--once"],
+            &[],
+        )
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains("wrote kubeconfig"), "{text}");
+    // --log_caller: the source location of each record.
+    assert!(text.contains("install.rs:"), "{text}");
+    // The file replaced the default target.
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("wrote kubeconfig"));
+
+    let rotated = logs.path().join("rotated.log");
+    let rotate = format!("--log_rotate={}", rotated.display());
+    let out = node
+        .command(
+            &[
+                "--log_target=stderr",
+                &rotate,
+                "--log_rotate_max_size=1",
+                "--log_rotate_max_backups=2",
+                "--log_rotate_max_age=1",
+                "--log_stacktrace_level=default:error,cni-agent:none",
+                "--log_as_json",
+                "install",
+                "--once",
+            ],
+            &[],
+        )
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("wrote kubeconfig"), "{stderr}");
+    let text = std::fs::read_to_string(&rotated).unwrap();
+    assert!(text.lines().count() > 1, "{text}");
+    for line in text.lines() {
+        serde_json::from_str::<Value>(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+    }
+    // Without --log_caller no location is printed.
+    assert!(!text.contains("install.rs"), "{text}");
+
+    for (flag, named) in [
+        ("--log_stacktrace_level=loud", "--log_stacktrace_level"),
+        ("--log_rotate_max_size=0", "--log_rotate_max_size"),
+        ("--log_target=/nonexistent-dir/agent.log", "--log_target"),
+    ] {
+        let mut args = vec![flag, "install", "--once"];
+        if flag.starts_with("--log_rotate_max") {
+            args.insert(0, &rotate);
+        }
+        let out = node.command(&args, &[]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(named),
+            "{flag}: {stderr}"
+        );
+    }
+}

@@ -98,7 +98,9 @@ impl RotatingFile {
         written
     }
 
-    /// `<path>.N` → `<path>.N+1` from the oldest kept, then `<path>` → `<path>.1`.
+    /// `<path>.N` → `<path>.N+1` for the backups that exist (the oldest beyond the kept count
+    /// goes), then `<path>` → `<path>.1`. Only existing backups are visited, so a huge count
+    /// ("no limit") costs nothing.
     fn rotate(&self) -> std::io::Result<()> {
         let backup = |n: u32| {
             let mut p = self.path.clone().into_os_string();
@@ -106,18 +108,24 @@ impl RotatingFile {
             PathBuf::from(p)
         };
         let keep = self.rotation.max_backups;
-        // Beyond the kept count (and a leftover from a larger setting) goes.
-        let _ = std::fs::remove_file(backup(keep.max(1)));
         if keep == 0 {
             return std::fs::remove_file(&self.path).or_else(not_found_ok);
         }
-        for n in (1..keep).rev() {
+        let mut existing = 0;
+        while existing < keep && std::fs::symlink_metadata(backup(existing + 1)).is_ok() {
+            existing += 1;
+        }
+        if existing == keep {
+            std::fs::remove_file(backup(keep)).or_else(not_found_ok)?;
+            existing -= 1;
+        }
+        for n in (1..=existing).rev() {
             std::fs::rename(backup(n), backup(n + 1)).or_else(not_found_ok)?;
         }
         std::fs::rename(&self.path, backup(1)).or_else(not_found_ok)?;
         if let Some(age) = self.rotation.max_age {
             let now = SystemTime::now();
-            for n in 2..=keep {
+            for n in 2..=existing + 1 {
                 let old = std::fs::symlink_metadata(backup(n))
                     .and_then(|m| m.modified())
                     .is_ok_and(|t| now.duration_since(t).unwrap_or_default() > age);
@@ -216,6 +224,21 @@ mod tests {
         assert!(!dir.path().join("istio-cni.log.3").exists());
         let mode = std::fs::metadata(&path).unwrap().mode() & 0o777;
         assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn an_unlimited_backup_count_keeps_every_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.log");
+        let mut log = RotatingFile::new(&path, rotation(10, u32::MAX));
+        for i in 0..4 {
+            log.append(format!("record {i} xx").as_bytes()).unwrap();
+        }
+        for (n, i) in [(1, 2), (2, 1), (3, 0)] {
+            let backup = dir.path().join(format!("agent.log.{n}"));
+            assert_eq!(read(&backup), format!("record {i} xx\n"));
+        }
+        assert!(!dir.path().join("agent.log.4").exists());
     }
 
     #[test]
