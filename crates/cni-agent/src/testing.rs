@@ -6,4 +6,5 @@ pub mod kube;
 pub mod manifests;
 pub mod node;
 pub mod pod_proxy;
+pub mod relay;
 pub mod zds_peer;

@@ -93,15 +93,7 @@ fn forward_loopback(node: &TestNetns, port: u16) -> std::net::TcpListener {
             let Ok(up) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
                 continue;
             };
-            for (mut from, mut to) in [
-                (down.try_clone().unwrap(), up.try_clone().unwrap()),
-                (up, down),
-            ] {
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut from, &mut to);
-                    let _ = to.shutdown(std::net::Shutdown::Write);
-                });
-            }
+            let _ = crate::testing::relay::relay(down, up);
         }
     });
     listener

@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::net::{
-    IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener,
-    TcpStream, UdpSocket,
+    IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream,
+    UdpSocket,
 };
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,6 +25,8 @@ use nix::sys::socket::{
     AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, SockaddrIn6, SockaddrStorage, bind,
     connect, getsockopt, listen, setsockopt, socket, sockopt,
 };
+
+use crate::testing::relay::relay;
 
 /// What the DNS listeners answer: the query with this prefix.
 pub const DNS_REPLY_PREFIX: &[u8] = b"proxy-dns:";
@@ -274,7 +276,9 @@ fn handle(port: u16, mut stream: TcpStream, original_dst: Option<SocketAddr>, ne
             let Ok(Ok(upstream)) = netns.run(|| connect_marked(dst)) else {
                 return;
             };
-            pipe(stream, upstream);
+            if let Ok(done) = relay(stream, upstream) {
+                let _ = done.join();
+            }
         }
     }
 }
@@ -293,20 +297,6 @@ pub fn connect_marked(dst: SocketAddr) -> io::Result<TcpStream> {
     let stream = TcpStream::from(fd);
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     Ok(stream)
-}
-
-fn pipe(a: TcpStream, b: TcpStream) {
-    let (Ok(mut a2), Ok(mut b2)) = (a.try_clone(), b.try_clone()) else {
-        return;
-    };
-    let (mut a, mut b) = (a, b);
-    let up = std::thread::spawn(move || {
-        let _ = io::copy(&mut a, &mut b2);
-        let _ = b2.shutdown(Shutdown::Write);
-    });
-    let _ = io::copy(&mut b, &mut a2);
-    let _ = a2.shutdown(Shutdown::Write);
-    let _ = up.join();
 }
 
 fn serve_udp(port: u16, sock: UdpSocket, shared: Arc<Shared>) {
