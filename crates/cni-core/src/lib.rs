@@ -6,6 +6,7 @@ pub mod cmdadd;
 pub mod cni;
 pub mod conflist;
 pub mod enroll;
+pub mod kubeconfig;
 pub mod plugin_conf;
 pub mod reconcile;
 pub mod redirect;

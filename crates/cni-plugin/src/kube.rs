@@ -2,8 +2,8 @@
 //! kubeconfig the installer writes (`<run dir>/istio-cni-kubeconfig`) and plain GETs of a pod and
 //! its namespace over HTTPS (or HTTP, for test servers).
 //!
-//! The kubeconfig parser is deliberately small: it reads the single-cluster, single-user layout
-//! our installer (and Istio's) writes, key by key, not YAML in general.
+//! The kubeconfig text is parsed by `cni_core::kubeconfig` (pure, fuzzed); this module reads the
+//! files.
 
 use std::io::Read as _;
 use std::net::{IpAddr, TcpStream, ToSocketAddrs};
@@ -11,6 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cni_core::kubeconfig::{self, CaSource, KubeconfigError, ServerUrl, parse_server_url};
 use serde_json::Value;
 
 use crate::http::{self, Deadline, HttpError, Request};
@@ -31,10 +32,8 @@ pub enum KubeError {
         path: String,
         source: std::io::Error,
     },
-    #[error("invalid kubeconfig: {0}")]
-    Invalid(String),
-    #[error("invalid API server URL {0:?}")]
-    Url(String),
+    #[error(transparent)]
+    Invalid(#[from] KubeconfigError),
     #[error("cannot reach the API server at {server}: {source}")]
     Connect {
         server: String,
@@ -63,123 +62,41 @@ impl Kubeconfig {
         Kubeconfig::parse(&text, path.parent().unwrap_or(Path::new("/")))
     }
 
-    /// Reads the first `server`, `certificate-authority-data`, `certificate-authority`,
-    /// `insecure-skip-tls-verify` and `token` keys; relative file paths resolve against `dir`.
+    /// Parses `text` (see [`cni_core::kubeconfig::parse`]); a relative `certificate-authority`
+    /// path resolves against `dir`.
     pub fn parse(text: &str, dir: &Path) -> Result<Kubeconfig, KubeError> {
-        use base64::Engine as _;
-        let mut kc = Kubeconfig::default();
-        let (mut server, mut ca_data, mut ca_file, mut insecure, mut token) =
-            (None, None, None, None, None);
-        for line in text.lines() {
-            let line = line.trim_start().trim_start_matches("- ").trim();
-            if line.starts_with('#') {
-                continue;
+        let parsed = kubeconfig::parse(text)?;
+        let ca_pem = match parsed.ca {
+            None => None,
+            Some(CaSource::Pem(pem)) => Some(pem),
+            Some(CaSource::File(file)) => {
+                let path = dir.join(file);
+                Some(std::fs::read(&path).map_err(|source| KubeError::Read {
+                    path: path.display().to_string(),
+                    source,
+                })?)
             }
-            let Some((key, value)) = line.split_once(':') else {
-                continue;
-            };
-            let value = unquote(value.trim());
-            let slot = match key.trim() {
-                "server" => &mut server,
-                "certificate-authority-data" => &mut ca_data,
-                "certificate-authority" => &mut ca_file,
-                "insecure-skip-tls-verify" => &mut insecure,
-                "token" => &mut token,
-                _ => continue,
-            };
-            if slot.is_none() {
-                *slot = Some(value.to_owned());
-            }
-        }
-        kc.server = server
-            .filter(|s| !s.is_empty())
-            .ok_or_else(|| KubeError::Invalid("no cluster server".into()))?;
-        if let Some(data) = ca_data.filter(|s| !s.is_empty()) {
-            let pem = base64::engine::general_purpose::STANDARD
-                .decode(data.as_bytes())
-                .map_err(|e| KubeError::Invalid(format!("certificate-authority-data: {e}")))?;
-            kc.ca_pem = Some(pem);
-        } else if let Some(file) = ca_file.filter(|s| !s.is_empty()) {
-            let path = dir.join(&file);
-            let pem = std::fs::read(&path).map_err(|source| KubeError::Read {
-                path: path.display().to_string(),
-                source,
-            })?;
-            kc.ca_pem = Some(pem);
-        }
-        kc.insecure_skip_tls_verify = insecure.is_some_and(|v| v == "true");
-        kc.token = token.unwrap_or_default();
-        Ok(kc)
-    }
-}
-
-fn unquote(v: &str) -> &str {
-    for q in ['"', '\''] {
-        if let Some(inner) = v.strip_prefix(q).and_then(|s| s.strip_suffix(q)) {
-            return inner;
-        }
-    }
-    v
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Url {
-    https: bool,
-    host: String,
-    port: u16,
-    base_path: String,
-}
-
-fn parse_url(server: &str) -> Result<Url, KubeError> {
-    let bad = || KubeError::Url(server.to_owned());
-    let (https, rest) = if let Some(r) = server.strip_prefix("https://") {
-        (true, r)
-    } else if let Some(r) = server.strip_prefix("http://") {
-        (false, r)
-    } else {
-        return Err(bad());
-    };
-    let (authority, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
-        None => (rest, ""),
-    };
-    let default_port = if https { 443 } else { 80 };
-    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-        let (h, after) = v6.split_once(']').ok_or_else(bad)?;
-        let port = match after.strip_prefix(':') {
-            Some(p) => p.parse().map_err(|_| bad())?,
-            None if after.is_empty() => default_port,
-            None => return Err(bad()),
         };
-        (h.to_owned(), port)
-    } else {
-        match authority.rsplit_once(':') {
-            Some((h, p)) => (h.to_owned(), p.parse().map_err(|_| bad())?),
-            None => (authority.to_owned(), default_port),
-        }
-    };
-    if host.is_empty() {
-        return Err(bad());
+        Ok(Kubeconfig {
+            server: parsed.server,
+            ca_pem,
+            insecure_skip_tls_verify: parsed.insecure_skip_tls_verify,
+            token: parsed.token,
+        })
     }
-    Ok(Url {
-        https,
-        host,
-        port,
-        base_path: path.to_owned(),
-    })
 }
 
 /// One-shot GETs against the API server, each bounded by `timeout`.
 pub struct ApiClient {
     kc: Kubeconfig,
-    url: Url,
+    url: ServerUrl,
     tls: Option<Arc<rustls::ClientConfig>>,
     timeout: Duration,
 }
 
 impl ApiClient {
     pub fn new(kc: Kubeconfig, timeout: Duration) -> Result<ApiClient, KubeError> {
-        let url = parse_url(&kc.server)?;
+        let url = parse_server_url(&kc.server)?;
         let tls = if url.https {
             Some(
                 crate::tls::client_config(kc.ca_pem.as_deref(), kc.insecure_skip_tls_verify)
@@ -299,51 +216,6 @@ fn server_name(host: &str) -> Result<rustls::pki_types::ServerName<'static>, Str
 mod tests {
     use super::*;
 
-    /// The installer's layout (istio-cni.md §2.7, golden `kubeconfig-tls`).
-    const GOLDEN: &str = "apiVersion: v1
-clusters:
-- cluster:
-    certificate-authority-data: LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg==
-    server: https://10.96.0.1:443
-  name: local
-contexts:
-- context:
-    cluster: local
-    user: istio-cni
-  name: istio-cni-context
-current-context: istio-cni-context
-kind: Config
-users:
-- name: istio-cni
-  user:
-    token: service_account_token_string
-";
-
-    #[test]
-    fn parses_the_installers_kubeconfig() {
-        let kc = Kubeconfig::parse(GOLDEN, Path::new("/")).unwrap();
-        assert_eq!(kc.server, "https://10.96.0.1:443");
-        assert_eq!(
-            kc.ca_pem.as_deref(),
-            Some(&b"-----BEGIN CERTIFICATE-----\n"[..])
-        );
-        assert!(!kc.insecure_skip_tls_verify);
-        assert_eq!(kc.token, "service_account_token_string");
-    }
-
-    #[test]
-    fn insecure_and_quoted_values() {
-        let text = "clusters:\n- cluster:\n    insecure-skip-tls-verify: true\n    server: \"https://[fd00::1]:6443\"\nusers:\n- name: u\n  user:\n    token: 'abc'\n";
-        let kc = Kubeconfig::parse(text, Path::new("/")).unwrap();
-        assert!(kc.insecure_skip_tls_verify && kc.ca_pem.is_none());
-        assert_eq!(kc.token, "abc");
-        let url = parse_url(&kc.server).unwrap();
-        assert_eq!(
-            (url.host.as_str(), url.port, url.https),
-            ("fd00::1", 6443, true)
-        );
-    }
-
     #[test]
     fn ca_file_is_relative_to_the_kubeconfig() {
         let dir = tempfile::tempdir().unwrap();
@@ -360,37 +232,18 @@ users:
     fn bad_kubeconfigs() {
         assert!(matches!(
             Kubeconfig::parse("kind: Config\n", Path::new("/")),
-            Err(KubeError::Invalid(_))
+            Err(KubeError::Invalid(KubeconfigError::Invalid(_)))
         ));
         assert!(matches!(
             Kubeconfig::parse(
-                "server: https://h\ncertificate-authority-data: !!!\n",
-                Path::new("/")
+                "server: https://h\ncertificate-authority: missing.crt\n",
+                Path::new("/nonexistent")
             ),
-            Err(KubeError::Invalid(_))
+            Err(KubeError::Read { .. })
         ));
         assert!(matches!(
             Kubeconfig::load(Path::new("/nonexistent/istio-cni-kubeconfig")),
             Err(KubeError::Read { .. })
         ));
-    }
-
-    #[test]
-    fn urls() {
-        let u = parse_url("https://10.96.0.1").unwrap();
-        assert_eq!(
-            (u.host.as_str(), u.port, u.base_path.as_str()),
-            ("10.96.0.1", 443, "")
-        );
-        let u = parse_url("http://127.0.0.1:8080/prefix/").unwrap();
-        assert_eq!(
-            (u.https, u.port, u.base_path.as_str()),
-            (false, 8080, "/prefix")
-        );
-        let u = parse_url("https://kubernetes.default.svc:443").unwrap();
-        assert_eq!(u.host, "kubernetes.default.svc");
-        for bad in ["ftp://x", "https://", "https://h:port", "https://[::1"] {
-            assert!(parse_url(bad).is_err(), "{bad}");
-        }
     }
 }
