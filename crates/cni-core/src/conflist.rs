@@ -522,6 +522,15 @@ pub fn remove_entry(existing: &[u8]) -> Result<Option<String>, ConfError> {
     )))
 }
 
+/// Byte range of the `plugins` array the edits above splice (the last `plugins` key), or `None`
+/// when the document has no such array. Everything outside it is what an edit must not change;
+/// public so property tests and the fuzzer can check exactly that.
+pub fn plugins_range(existing: &[u8]) -> Result<Option<Range<usize>>, ConfError> {
+    let text = std::str::from_utf8(existing).map_err(|_| ConfError::NotUtf8)?;
+    let members = object_members(text)?;
+    Ok(plugins_span(&members).filter(|s| is_array(text, s)))
+}
+
 /// What an installed config holds, for the installer's validity check.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ListContents {

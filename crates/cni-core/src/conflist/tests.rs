@@ -375,3 +375,25 @@ fn contents_report_types_and_our_entry() {
         Some("istio-cni")
     );
 }
+
+#[test]
+fn plugins_range_is_the_array_edits_touch() {
+    let range = plugins_range(LIST_CONFLIST.as_bytes()).unwrap().unwrap();
+    let array = &LIST_CONFLIST[range.clone()];
+    assert!(array.starts_with('[') && array.ends_with(']'), "{array}");
+    let edited = insert_entry(LIST_CONFLIST.as_bytes(), &entry()).unwrap();
+    let tail = LIST_CONFLIST.len() - range.end;
+    assert_eq!(&edited[..range.start], &LIST_CONFLIST[..range.start]);
+    assert_eq!(&edited[edited.len() - tail..], &LIST_CONFLIST[range.end..]);
+
+    // A repeated key: the runtime reads the last one, and so do the edits.
+    let twice = r#"{"name":"n","plugins":[{"type":"a"}],"plugins":[{"type":"b"}]}"#;
+    let range = plugins_range(twice.as_bytes()).unwrap().unwrap();
+    assert_eq!(&twice[range], r#"[{"type":"b"}]"#);
+    assert_eq!(
+        plugins_range(br#"{"name":"n","plugins":{}}"#).unwrap(),
+        None
+    );
+    assert_eq!(plugins_range(BRIDGE_CONF.as_bytes()).unwrap(), None);
+    assert!(plugins_range(b"[1]").is_err());
+}

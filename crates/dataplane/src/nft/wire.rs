@@ -373,6 +373,30 @@ pub fn xtables_table_names(sock: &mut NetlinkSocket) -> Result<Vec<String>, Netl
         .collect())
 }
 
+/// One `NFT_MSG_NEWRULE` payload as the kernel dumps it: the rule's table and the rule, or
+/// `None` when it names no table or chain. Public so the decoder can be fuzzed on its own.
+pub fn decode_rule(payload: &[u8]) -> Result<Option<(String, Rule)>, NetlinkError> {
+    // nfgenmsg (family, version, resource id), then the rule's attributes.
+    let attrs = payload.get(NFGENMSG_LEN..).and_then(nlas).ok_or_else(|| {
+        NetlinkError::Decode(format!("malformed rule message of {} bytes", payload.len()))
+    })?;
+    let text = |kind| {
+        attrs
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, v)| string_of(v))
+    };
+    let (Some(table), Some(chain)) = (text(NFTA_RULE_TABLE), text(NFTA_RULE_CHAIN)) else {
+        return Ok(None);
+    };
+    let exprs = attrs
+        .iter()
+        .find(|(k, _)| *k == NFTA_RULE_EXPRESSIONS)
+        .map(|(_, v)| rule_from_wire(v))
+        .unwrap_or_default();
+    Ok(Some((table, Rule { chain, exprs })))
+}
+
 /// Reads the named inet tables (chains, sets and rules) from the kernel; absent tables are left
 /// out of the result. Rules come back grouped by chain, in evaluation order.
 pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, NetlinkError> {
@@ -476,25 +500,10 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
         NfTablesMessage::GetRule(RuleMessage { attributes: vec![] }),
         NFT_MSG_NEWRULE,
     )? {
-        // nfgenmsg (family, version, resource id), then the rule's attributes.
-        let attrs = payload.get(NFGENMSG_LEN..).and_then(nlas).ok_or_else(|| {
-            NetlinkError::Decode(format!("malformed rule message of {} bytes", payload.len()))
-        })?;
-        let text = |kind| {
-            attrs
-                .iter()
-                .find(|(k, _)| *k == kind)
-                .map(|(_, v)| string_of(v))
-        };
-        let exprs = attrs
-            .iter()
-            .find(|(k, _)| *k == NFTA_RULE_EXPRESSIONS)
-            .map(|(_, v)| rule_from_wire(v))
-            .unwrap_or_default();
-        if let (Some(table), Some(chain)) = (text(NFTA_RULE_TABLE), text(NFTA_RULE_CHAIN))
+        if let Some((table, rule)) = decode_rule(&payload)?
             && let Some(t) = tables.iter_mut().find(|t| t.name == table)
         {
-            t.rules.push(Rule { chain, exprs });
+            t.rules.push(rule);
         }
     }
     Ok(Ruleset { tables })
