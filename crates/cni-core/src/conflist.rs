@@ -444,7 +444,17 @@ fn line_indent(text: &str, at: usize) -> Option<&str> {
 ///   `{"cniVersion":"0.3.1","name":"k8s-pod-network","plugins":[<it without cniVersion>, <entry>]}`;
 /// - a list keeps every byte outside its `plugins` array; inside it, the first existing
 ///   `istio-cni` element is removed and ours is appended.
+///
+/// An edit the runtime would reject is refused: the existing plugins keep their bytes, so a
+/// broken one would make the whole written list invalid (found by the `conflist_edit` fuzzer: a
+/// plugin without `type`, e.g. in a file changed after discovery validated it).
 pub fn insert_entry(existing: &[u8], entry: &IstioEntry) -> Result<String, ConfError> {
+    let edited = splice_entry(existing, entry)?;
+    parse_list(edited.as_bytes())?;
+    Ok(edited)
+}
+
+fn splice_entry(existing: &[u8], entry: &IstioEntry) -> Result<String, ConfError> {
     let text = std::str::from_utf8(existing).map_err(|_| ConfError::NotUtf8)?;
     let members = object_members(text)?;
     if members.iter().any(|(k, _)| k == "type") {

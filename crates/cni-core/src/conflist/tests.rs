@@ -397,3 +397,25 @@ fn plugins_range_is_the_array_edits_touch() {
     assert_eq!(plugins_range(BRIDGE_CONF.as_bytes()).unwrap(), None);
     assert!(plugins_range(b"[1]").is_err());
 }
+
+/// `conflist_edit` fuzzer finding: the edit kept the broken plugin and wrote a list the runtime
+/// rejects. Invalid documents are refused instead.
+#[test]
+fn invalid_documents_are_refused_not_edited() {
+    let found = include_bytes!("fuzz/plugin_without_type.conflist");
+    assert!(matches!(
+        insert_entry(found, &entry()),
+        Err(ConfError::Plugin { index: 0, .. })
+    ));
+    assert!(matches!(
+        insert_entry(br#"{"name":"n","type":"","cniVersion":1}"#, &entry()),
+        Err(ConfError::Plugin { index: 0, .. })
+    ));
+    assert!(matches!(
+        insert_entry(br#"{"name":"n","disableCheck":7,"plugins":[]}"#, &entry()),
+        Err(ConfError::FieldType {
+            key: "disableCheck",
+            ..
+        })
+    ));
+}
