@@ -258,4 +258,39 @@ fn scenario(backend: &str) {
         "{backend}: removed"
     );
     assert_eq!(fetch(&peer, POD_IP, APP_PORT), "app", "{backend}: removed");
+
+    // ISTIO_OUTBOUND_OWNER_GROUPS=4242: only that group's traffic is captured, so the app (root,
+    // gid 0) reaches the peer directly; a /8 loopback CIDR reads back in sync (masked in nft).
+    let mut only = config();
+    only.owner_groups = sidecar::OwnerGroups::Only(vec![4242]);
+    only.loopback_v4 = sidecar::loopback_cidr("127.0.0.1/8").unwrap();
+    rules.apply(&pod.open(), &only).unwrap();
+    assert!(
+        matches!(
+            rules.verify(&pod.open(), &only).unwrap(),
+            dataplane::inpod::RuleState::InSync
+        ),
+        "{backend}: owner-group rules read back"
+    );
+    assert_eq!(
+        fetch(&pod, PEER_IP, PEER_PORT),
+        "peer",
+        "{backend}: group outside ISTIO_OUTBOUND_OWNER_GROUPS"
+    );
+    // _EXCLUDE of the app's group: the same, through the all-groups-except form.
+    let mut except = config();
+    except.owner_groups = sidecar::OwnerGroups::AllExcept(vec![0]);
+    rules.apply(&pod.open(), &except).unwrap();
+    assert_eq!(
+        fetch(&pod, PEER_IP, PEER_PORT),
+        "peer",
+        "{backend}: group in ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE"
+    );
+    rules.apply(&pod.open(), &config()).unwrap();
+    assert_eq!(
+        fetch(&pod, PEER_IP, PEER_PORT),
+        format!("proxy-outbound dst={PEER_IP}:{PEER_PORT} upstream=[peer]"),
+        "{backend}: captured again with the default groups"
+    );
+    rules.remove(&pod.open(), &config()).unwrap();
 }

@@ -45,7 +45,10 @@ fn config(p: &Value) -> SidecarConfig {
 /// from Istio's `tools/istio-nftables` goldens; the model spells `{ 53, 15008 }` as two
 /// comparisons, host prefixes without `/32`, and resolves `insert … index` into final order).
 fn check(name: &str, p: Value) {
-    let cfg = config(&p);
+    check_config(name, config(&p));
+}
+
+fn check_config(name: &str, cfg: SidecarConfig) {
     let text: String = sidecar::iptables_restore(&cfg)
         .into_iter()
         .map(|(_, t)| t)
@@ -302,4 +305,120 @@ fn detection_skips() {
     ));
 
     assert!(sidecar::detect(&json!("pod"), false).is_err());
+}
+
+/// Istio's env-only outbound settings: `ISTIO_OUTBOUND_OWNER_GROUPS` (only these groups'
+/// traffic is captured: one rule of `! --gid-owner` matches), `_EXCLUDE` (with the default `*`:
+/// a RETURN per group), both placed after the proxy's own owner rules as `istio-iptables` does;
+/// group names resolve on the node. The istio-proxy env wins over the plugin's environment.
+#[test]
+fn outbound_owner_groups_from_proxy_env_or_plugin_env() {
+    let groups = |name: &str| match name {
+        "java" => Some(1001),
+        "ftp" => Some(21),
+        _ => None,
+    };
+    let detect = |p: &Value, process: &[(&str, &str)]| {
+        let process: std::collections::HashMap<String, String> = process
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let host = sidecar::SidecarEnv {
+            fallback: &|k| process.get(k).cloned(),
+            group_id: &groups,
+        };
+        match sidecar::detect_with(p, false, &host) {
+            Ok(Detection::Sidecar(cfg)) => Ok(*cfg),
+            Ok(Detection::Skip(why)) => panic!("skipped: {why}"),
+            Err(e) => Err(e),
+        }
+    };
+    let env = |k: &str, v: &str| json!([{"name": k, "value": v}]);
+    check_config(
+        "owner-groups",
+        detect(
+            &pod(
+                json!({}),
+                env("ISTIO_OUTBOUND_OWNER_GROUPS", "java,202"),
+                json!({}),
+            ),
+            &[],
+        )
+        .unwrap(),
+    );
+    check_config(
+        "owner-groups-exclude",
+        detect(
+            &pod(json!({}), json!([]), json!({})),
+            &[("ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE", "888,ftp")],
+        )
+        .unwrap(),
+    );
+    // The pod's own setting wins over the plugin's environment.
+    let cfg = detect(
+        &pod(
+            json!({}),
+            env("ISTIO_OUTBOUND_OWNER_GROUPS", "*"),
+            json!({}),
+        ),
+        &[("ISTIO_OUTBOUND_OWNER_GROUPS", "java")],
+    )
+    .unwrap();
+    assert_eq!(cfg, config(&pod(json!({}), json!([]), json!({}))));
+
+    let err = detect(
+        &pod(
+            json!({}),
+            env("ISTIO_OUTBOUND_OWNER_GROUPS", "nosuchgroup"),
+            json!({}),
+        ),
+        &[],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            SidecarError::BadEnv {
+                name: "ISTIO_OUTBOUND_OWNER_GROUPS",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("nosuchgroup"), "{err}");
+    let many: Vec<String> = (0..65).map(|g| g.to_string()).collect();
+    let err = detect(
+        &pod(
+            json!({}),
+            env("ISTIO_OUTBOUND_OWNER_GROUPS", &many.join(",")),
+            json!({}),
+        ),
+        &[],
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("at most 64"), "{err}");
+}
+
+/// `ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR` replaces 127.0.0.1/32 in every loopback match, as in
+/// Istio's `host-ipv4-loopback-cidr` golden; only IPv4 loopback prefixes of /8../32 are valid.
+#[test]
+fn ipv4_loopback_cidr() {
+    let env = |v: &str| json!([{"name": "ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "value": v}]);
+    check(
+        "loopback-cidr",
+        pod(json!({}), env("127.0.0.1/8"), json!({})),
+    );
+    for bad in ["10.0.0.0/8", "127.0.0.1/7", "::1/128", "loopback"] {
+        let err = sidecar::detect(&pod(json!({}), env(bad), json!({})), false).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                SidecarError::BadEnv {
+                    name: "ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR",
+                    ..
+                }
+            ),
+            "{bad}: {err}"
+        );
+    }
 }

@@ -33,7 +33,18 @@ pub fn program(
     log: &mut Log,
 ) -> Result<Outcome, CniError> {
     let fail = |what: String| CniError::internal(format!("pod {pod_ref}: {what}"));
-    let cfg = match sidecar::detect(pod, sidecar::has_ipv6(ips.iter().copied())) {
+    // Istio's plugin reads the env-only settings from its own environment; the pod's istio-proxy
+    // env wins over it. Group names resolve in the node's group database, as iptables would.
+    let host = sidecar::SidecarEnv {
+        fallback: &|k| std::env::var(k).ok(),
+        group_id: &|name| {
+            nix::unistd::Group::from_name(name)
+                .ok()
+                .flatten()
+                .map(|g| g.gid.as_raw())
+        },
+    };
+    let cfg = match sidecar::detect_with(pod, sidecar::has_ipv6(ips.iter().copied()), &host) {
         Ok(Detection::Skip(why)) => {
             log.info("not a sidecar pod, letting it through", &[("reason", &why)]);
             return Ok(Outcome::Skipped(why));

@@ -8,9 +8,9 @@
 
 pub mod nft;
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr};
 
-use ipnet::IpNet;
+use ipnet::{IpNet, Ipv4Net};
 use serde_json::Value;
 
 use super::iptables::{Family, Position, Rule, restore_text};
@@ -29,6 +29,13 @@ pub const EXCLUDE_INTERFACES: &str = "traffic.sidecar.istio.io/excludeInterfaces
 pub const REROUTE_VIRTUAL_INTERFACES: &str = "istio.io/reroute-virtual-interfaces";
 /// Deprecated spelling, read only when [`REROUTE_VIRTUAL_INTERFACES`] is absent.
 pub const KUBEVIRT_INTERFACES: &str = "traffic.sidecar.istio.io/kubevirtInterfaces";
+
+/// Istio's env-only outbound settings (`istio-iptables` reads them from its environment).
+pub const OWNER_GROUPS: &str = "ISTIO_OUTBOUND_OWNER_GROUPS";
+pub const OWNER_GROUPS_EXCLUDE: &str = "ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE";
+pub const IPV4_LOOPBACK_CIDR: &str = "ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR";
+/// Istio's cap: the included groups become one rule with a match per group.
+const MAX_OWNER_GROUPS_INCLUDE: usize = 64;
 
 pub const PROXY_CONTAINER: &str = "istio-proxy";
 pub const INIT_CONTAINER: &str = "istio-init";
@@ -81,6 +88,16 @@ pub enum IpRanges {
     List(Vec<IpNet>),
 }
 
+/// Whose outgoing traffic is captured, by socket owner group (`ISTIO_OUTBOUND_OWNER_GROUPS`,
+/// `_EXCLUDE`). Groups given by name are resolved to GIDs before rendering.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OwnerGroups {
+    /// `*` (the default) minus these groups.
+    AllExcept(Vec<u32>),
+    /// Only these groups; everything else returns.
+    Only(Vec<u32>),
+}
+
 /// Everything the sidecar rule set depends on, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SidecarConfig {
@@ -104,6 +121,9 @@ pub struct SidecarConfig {
     pub drop_invalid: bool,
     /// Also program IPv6 (the pod has an IPv6 address).
     pub ipv6: bool,
+    pub owner_groups: OwnerGroups,
+    /// `ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR`: the app's own loopback destinations.
+    pub loopback_v4: Ipv4Net,
 }
 
 impl Default for SidecarConfig {
@@ -124,6 +144,8 @@ impl Default for SidecarConfig {
             dual_stack: false,
             drop_invalid: false,
             ipv6: false,
+            owner_groups: OwnerGroups::AllExcept(Vec::new()),
+            loopback_v4: Ipv4Net::new(Ipv4Addr::LOCALHOST, 32).expect("valid prefix"),
         }
     }
 }
@@ -148,6 +170,97 @@ pub enum SidecarError {
     },
     #[error("pod object is not a Pod: {0}")]
     NotAPod(&'static str),
+    #[error("{name}={value:?}: {reason}")]
+    BadEnv {
+        name: &'static str,
+        value: String,
+        reason: String,
+    },
+}
+
+/// Where Istio's env-only settings come from besides the `istio-proxy` container's own env (which
+/// wins), and how group names become GIDs.
+pub struct SidecarEnv<'a> {
+    /// The plugin process environment, where Istio's plugin reads them.
+    pub fallback: &'a dyn Fn(&str) -> Option<String>,
+    /// Group name → GID (the node's group database, as `iptables` would resolve it).
+    pub group_id: &'a dyn Fn(&str) -> Option<u32>,
+}
+
+impl SidecarEnv<'static> {
+    /// Only the pod's env; groups must be numeric.
+    pub fn pod_only() -> Self {
+        SidecarEnv {
+            fallback: &|_| None,
+            group_id: &|_| None,
+        }
+    }
+}
+
+fn bad_env(name: &'static str, value: &str, reason: impl Into<String>) -> SidecarError {
+    SidecarError::BadEnv {
+        name,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn parse_groups(
+    name: &'static str,
+    value: &str,
+    group_id: &dyn Fn(&str) -> Option<u32>,
+) -> Result<Vec<u32>, SidecarError> {
+    items(value)
+        .map(|g| match g.parse::<u32>() {
+            Ok(id) => Ok(id),
+            Err(_) => group_id(g)
+                .ok_or_else(|| bad_env(name, value, format!("no group {g:?} on this node"))),
+        })
+        .collect()
+}
+
+/// Istio's `ParseInterceptFilter` + `ValidateOwnerGroups`: `*` means all groups minus the
+/// exclusions (unset: `*`); otherwise only the listed groups, at most 64.
+pub fn owner_groups(
+    include: Option<&str>,
+    exclude: Option<&str>,
+    group_id: &dyn Fn(&str) -> Option<u32>,
+) -> Result<OwnerGroups, SidecarError> {
+    let include = include
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .unwrap_or("*");
+    if include == "*" {
+        let excluded = parse_groups(OWNER_GROUPS_EXCLUDE, exclude.unwrap_or(""), group_id)?;
+        return Ok(OwnerGroups::AllExcept(excluded));
+    }
+    let only = parse_groups(OWNER_GROUPS, include, group_id)?;
+    if only.len() > MAX_OWNER_GROUPS_INCLUDE {
+        return Err(bad_env(
+            OWNER_GROUPS,
+            include,
+            format!(
+                "at most {MAX_OWNER_GROUPS_INCLUDE} groups, got {}",
+                only.len()
+            ),
+        ));
+    }
+    Ok(OwnerGroups::Only(only))
+}
+
+/// Istio's `ValidateIPv4LoopbackCidr`: an IPv4 loopback prefix of length 8 to 32.
+pub fn loopback_cidr(value: &str) -> Result<Ipv4Net, SidecarError> {
+    let net: Ipv4Net = value
+        .trim()
+        .parse()
+        .map_err(|e| bad_env(IPV4_LOOPBACK_CIDR, value, format!("not an IPv4 CIDR: {e}")))?;
+    if !net.addr().is_loopback() {
+        return Err(bad_env(IPV4_LOOPBACK_CIDR, value, "not a loopback address"));
+    }
+    if net.prefix_len() < 8 {
+        return Err(bad_env(IPV4_LOOPBACK_CIDR, value, "prefix shorter than /8"));
+    }
+    Ok(net)
 }
 
 /// What the plugin does with a pod.
@@ -287,6 +400,16 @@ fn security_id(container: &Value, field: &str) -> u32 {
 /// Decides whether the plugin programs sidecar redirection for `pod`, and with which settings.
 /// `ipv6`: the pod has an IPv6 address, so the IPv6 rules are programmed as well.
 pub fn detect(pod: &Value, ipv6: bool) -> Result<Detection, SidecarError> {
+    detect_with(pod, ipv6, &SidecarEnv::pod_only())
+}
+
+/// [`detect`], with Istio's env-only settings also read from `host` (the pod's `istio-proxy` env
+/// wins) and group names resolved there.
+pub fn detect_with(
+    pod: &Value,
+    ipv6: bool,
+    host: &SidecarEnv<'_>,
+) -> Result<Detection, SidecarError> {
     if !pod.is_object() {
         return Err(SidecarError::NotAPod("not a JSON object"));
     }
@@ -327,6 +450,20 @@ pub fn detect(pod: &Value, ipv6: bool) -> Result<Detection, SidecarError> {
     cfg.dual_stack = env_bool(proxy, "ISTIO_DUAL_STACK");
     cfg.drop_invalid = env_bool(proxy, "INVALID_DROP");
     cfg.ipv6 = ipv6;
+    let setting = |name: &str| {
+        env(proxy, name)
+            .map(str::to_string)
+            .or_else(|| (host.fallback)(name))
+            .filter(|v| !v.trim().is_empty())
+    };
+    cfg.owner_groups = owner_groups(
+        setting(OWNER_GROUPS).as_deref(),
+        setting(OWNER_GROUPS_EXCLUDE).as_deref(),
+        host.group_id,
+    )?;
+    if let Some(v) = setting(IPV4_LOOPBACK_CIDR) {
+        cfg.loopback_v4 = loopback_cidr(&v)?;
+    }
     Ok(Detection::Sidecar(Box::new(cfg)))
 }
 
@@ -398,6 +535,7 @@ pub fn config_from_annotations<'a>(
 /// Rules in the order Istio's builder emits them, for one family.
 struct Builder {
     family: Family,
+    loopback_v4: Ipv4Net,
     rules: Vec<Rule>,
 }
 
@@ -427,8 +565,11 @@ impl Builder {
         }
     }
 
-    fn lo(&self) -> &'static str {
-        self.family.loopback()
+    fn lo(&self) -> String {
+        match self.family {
+            Family::V4 => self.loopback_v4.to_string(),
+            Family::V6 => self.family.loopback().to_string(),
+        }
     }
 
     fn inbound_passthrough(&self) -> &'static str {
@@ -447,6 +588,7 @@ impl Builder {
 pub fn iptables_rules(cfg: &SidecarConfig, family: Family) -> Vec<Rule> {
     let mut b = Builder {
         family,
+        loopback_v4: cfg.loopback_v4,
         rules: Vec::new(),
     };
     let tproxy = cfg.mode == InterceptionMode::Tproxy;
@@ -535,6 +677,28 @@ pub fn iptables_rules(cfg: &SidecarConfig, family: Family) -> Vec<Rule> {
             ISTIO_OUTPUT,
             format!("-m owner {flag} {id} -j RETURN"),
         );
+    }
+    match &cfg.owner_groups {
+        OwnerGroups::AllExcept(groups) => {
+            for g in groups {
+                b.add(
+                    "nat",
+                    ISTIO_OUTPUT,
+                    format!("-m owner --gid-owner {g} -j RETURN"),
+                );
+            }
+        }
+        OwnerGroups::Only(groups) => {
+            let matches: Vec<String> = groups
+                .iter()
+                .map(|g| format!("-m owner ! --gid-owner {g} "))
+                .collect();
+            b.add(
+                "nat",
+                ISTIO_OUTPUT,
+                format!("{}-j RETURN", matches.concat()),
+            );
+        }
     }
     if cfg.redirect_dns {
         dns(&mut b, cfg);

@@ -9,8 +9,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::IpNet;
 
 use super::{
-    DNS_PORT, INBOUND_PORT, InterceptionMode, IpRanges, OUTBOUND_PORT, Ports, SidecarConfig,
-    TPROXY_MARK, TUNNEL_PORT,
+    DNS_PORT, INBOUND_PORT, InterceptionMode, IpRanges, OUTBOUND_PORT, OwnerGroups, Ports,
+    SidecarConfig, TPROXY_MARK, TUNNEL_PORT,
 };
 use crate::redirect::nft::{
     AddrField, Chain, ChainType, CmpOp, Expr, Hook, IfField, L4Proto, PortField, Prefix, Rule,
@@ -175,7 +175,8 @@ fn ret() -> Vec<Expr> {
 /// it is IPv6.
 fn families(cfg: &SidecarConfig) -> Vec<(IpNet, IpNet, bool)> {
     let mut out = vec![(
-        net(IpAddr::V4(Ipv4Addr::LOCALHOST), 32),
+        // Masked as the kernel (and `nft list`) holds it, so read-back compares equal.
+        IpNet::V4(cfg.loopback_v4.trunc()),
         net(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 6)), 32),
         false,
     )];
@@ -381,6 +382,17 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
             nat.add(OUT, with(m, ret()));
         }
         nat.add(OUT, with(vec![owner(gid, eq, id)], ret()));
+    }
+    match &cfg.owner_groups {
+        OwnerGroups::AllExcept(groups) => {
+            for g in groups {
+                nat.add(OUT, with(vec![owner(true, eq, *g)], ret()));
+            }
+        }
+        OwnerGroups::Only(groups) => {
+            let m = groups.iter().map(|g| owner(true, ne, *g)).collect();
+            nat.add(OUT, with(m, ret()));
+        }
     }
     if cfg.redirect_dns {
         raw.add(OUTPUT, jump(OUT_DNS));
