@@ -1,0 +1,114 @@
+//! `oci-archive`: builds one single-layer OCI image archive from files on this machine and prints
+//! `<ref> <archive>`. Used by `scripts/node-images`.
+//!
+//! ```text
+//! oci-archive --ref localhost/istio-cni-rs/busybox:dev --out busybox.tar \
+//!     --file /bin/busybox=/bin/busybox --symlink /bin/sh=busybox --dir /tmp=1777 \
+//!     --entrypoint '["/bin/sh"]' --env PATH=/bin
+//! ```
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use oci_archive::image::{self, Config};
+use oci_archive::tar::Tree;
+
+#[derive(Parser)]
+#[command(about = "Write a single-layer OCI image archive for `ctr images import`")]
+struct Args {
+    /// Image reference, `<name>:<tag>` (written to index.json).
+    #[arg(long = "ref")]
+    reference: String,
+    /// Archive to write (replaced atomically).
+    #[arg(long)]
+    out: PathBuf,
+    /// `IMAGE_PATH=HOST_FILE`: a regular file, copied with its permission bits (symlinks followed).
+    #[arg(long, value_name = "IMAGE_PATH=HOST_FILE")]
+    file: Vec<String>,
+    /// `IMAGE_PATH=TARGET`: a symlink.
+    #[arg(long, value_name = "IMAGE_PATH=TARGET")]
+    symlink: Vec<String>,
+    /// `IMAGE_PATH=OCTAL_MODE`: a directory (parents of files are created 0755 anyway).
+    #[arg(long, value_name = "IMAGE_PATH=OCTAL_MODE")]
+    dir: Vec<String>,
+    /// Entrypoint as a JSON array of strings.
+    #[arg(long, value_name = "JSON")]
+    entrypoint: Option<String>,
+    /// Cmd as a JSON array of strings.
+    #[arg(long, value_name = "JSON")]
+    cmd: Option<String>,
+    /// `NAME=VALUE` in the image's environment (repeatable).
+    #[arg(long, value_name = "NAME=VALUE")]
+    env: Vec<String>,
+    #[arg(long)]
+    workdir: Option<String>,
+}
+
+fn pair<'a>(flag: &str, arg: &'a str) -> Result<(&'a str, &'a str)> {
+    match arg.split_once('=') {
+        Some((a, b)) if !a.is_empty() && !b.is_empty() => Ok((a, b)),
+        _ => bail!("--{flag} {arg:?}: expected IMAGE_PATH=VALUE"),
+    }
+}
+
+fn argv(flag: &str, json: Option<&str>) -> Result<Vec<String>> {
+    json.map_or(Ok(Vec::new()), |j| {
+        serde_json::from_str(j)
+            .with_context(|| format!("--{flag} {j:?}: expected a JSON array of strings"))
+    })
+}
+
+fn tree(args: &Args) -> Result<Tree> {
+    let mut t = Tree::new();
+    for arg in &args.dir {
+        let (path, mode) = pair("dir", arg)?;
+        let mode = u32::from_str_radix(mode, 8)
+            .with_context(|| format!("--dir {arg:?}: mode is not octal"))?;
+        t.dir(path, mode)
+            .with_context(|| format!("--dir {arg:?}"))?;
+    }
+    for arg in &args.file {
+        let (path, host) = pair("file", arg)?;
+        let meta = std::fs::metadata(host).with_context(|| format!("--file {arg:?}: {host}"))?;
+        if !meta.is_file() {
+            bail!("--file {arg:?}: {host} is not a regular file");
+        }
+        let data =
+            std::fs::read(host).with_context(|| format!("--file {arg:?}: reading {host}"))?;
+        t.file(path, meta.permissions().mode(), data)
+            .with_context(|| format!("--file {arg:?}"))?;
+    }
+    for arg in &args.symlink {
+        let (path, target) = pair("symlink", arg)?;
+        t.symlink(path, target)
+            .with_context(|| format!("--symlink {arg:?}"))?;
+    }
+    Ok(t)
+}
+
+fn write_atomically(path: &Path, data: &[u8]) -> Result<()> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("--out {}: not a file path", path.display()))?;
+    let tmp = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
+    std::fs::write(&tmp, data).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let config = Config {
+        entrypoint: argv("entrypoint", args.entrypoint.as_deref())?,
+        cmd: argv("cmd", args.cmd.as_deref())?,
+        env: args.env.clone(),
+        workdir: args.workdir.clone(),
+    };
+    let rootfs = tree(&args)?;
+    let (archive, _manifest) = image::archive(&args.reference, &rootfs, &config)?;
+    write_atomically(&args.out, &archive)?;
+    println!("{} {}", args.reference, args.out.display());
+    Ok(())
+}
