@@ -2,7 +2,9 @@
 //! test API server the way `kubectl apply --server-side` applies them: each document's kind is
 //! resolved through discovery, unknown fields are rejected.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
@@ -21,6 +23,44 @@ pub fn repo_file(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
         .join(rel)
+}
+
+/// The helm binary built from its Go module by `tools/helm/build.sh` (cached; built on first use).
+pub fn helm() -> &'static Path {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    HELM.get_or_init(|| {
+        let script = repo_file("tools/helm/build.sh");
+        let out = Command::new(&script)
+            .stderr(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+        assert!(out.status.success(), "{} failed", script.display());
+        let stdout = String::from_utf8(out.stdout).expect("build.sh prints a path");
+        PathBuf::from(
+            stdout
+                .lines()
+                .last()
+                .expect("build.sh prints the binary")
+                .trim(),
+        )
+    })
+}
+
+/// `helm template` of our chart into [`NAMESPACE`] with extra arguments (`-f`, `--set`).
+pub fn render_chart(args: &[&str]) -> Vec<DynamicObject> {
+    let out = Command::new(helm())
+        .args(["template", "istio-cni"])
+        .arg(repo_file("deploy/charts/istio-cni"))
+        .args(["--namespace", NAMESPACE])
+        .args(args)
+        .output()
+        .expect("run helm");
+    assert!(
+        out.status.success(),
+        "helm template {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    documents(&String::from_utf8(out.stdout).expect("helm prints YAML"))
 }
 
 /// The documents of a multi-document YAML stream; empty documents are skipped.
