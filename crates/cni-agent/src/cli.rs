@@ -129,7 +129,7 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
         }
         let exclude = cfg.entry.exclude_namespaces.clone().unwrap_or_default();
         let ambient = AmbientConfig::from_args(a, &selectors, exclude)?;
-        let client = kube::Client::try_default().await?;
+        let client = crate::kube_client::from_environment().await?;
         Some(crate::agent::AmbientSetup {
             cfg: ambient,
             client,
@@ -150,7 +150,7 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
             cfg,
             client: match &ambient {
                 Some(a) => a.client.clone(),
-                None => kube::Client::try_default().await?,
+                None => crate::kube_client::from_environment().await?,
             },
         }),
         None => None,

@@ -8,6 +8,7 @@ pub mod dataplane_cli;
 pub mod hostfs;
 pub mod http;
 pub mod install;
+pub mod kube_client;
 pub mod logging;
 pub mod logsock;
 pub mod metrics;

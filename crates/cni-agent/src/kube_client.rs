@@ -1,0 +1,128 @@
+//! The agent's Kubernetes client, built as Istio's node agent builds its own: a `User-Agent` of
+//! `install-cni/<version>` (what API server audit logs and priority-and-fairness rules key on) and
+//! a client-side limit of 80 requests per second with bursts of 160 (Istio's `QPS`/`Burst`, fixed
+//! in its code). A node restart makes every agent list and patch at once; without a limit a large
+//! cluster's API server sees the whole fleet's burst at full speed.
+
+use std::time::Duration;
+
+use http::header::{HeaderValue, USER_AGENT};
+use kube::client::ClientBuilder;
+
+/// `<binary>/<version>`, as Istio's `IstioUserAgent` forms it.
+pub const AGENT_USER_AGENT: &str = concat!("install-cni/", env!("CARGO_PKG_VERSION"));
+
+/// Client-side request budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RateLimit {
+    /// Sustained requests per second.
+    pub qps: u32,
+    /// Requests allowed at once before the rate applies.
+    pub burst: u32,
+}
+
+/// Istio's node agent values.
+pub const ISTIO_RATE_LIMIT: RateLimit = RateLimit {
+    qps: 80,
+    burst: 160,
+};
+
+/// A client for `config` with our User-Agent and `limit`. The limit is a window of `burst`
+/// requests per `burst / qps` seconds: the same average and the same largest burst as client-go's
+/// token bucket.
+pub fn build(mut config: kube::Config, limit: RateLimit) -> Result<kube::Client, kube::Error> {
+    config
+        .headers
+        .push((USER_AGENT, HeaderValue::from_static(AGENT_USER_AGENT)));
+    let window = Duration::from_secs_f64(f64::from(limit.burst) / f64::from(limit.qps.max(1)));
+    let layer = tower::limit::RateLimitLayer::new(u64::from(limit.burst.max(1)), window);
+    Ok(ClientBuilder::try_from(config)?.with_layer(&layer).build())
+}
+
+/// The in-cluster (or `KUBECONFIG`) client the agent uses.
+pub async fn from_environment() -> anyhow::Result<kube::Client> {
+    let config = kube::Config::infer().await?;
+    Ok(build(config, ISTIO_RATE_LIMIT)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A loopback HTTP server that records each request head and when it arrived.
+    async fn recorder() -> (String, Arc<Mutex<Vec<(Instant, String)>>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    loop {
+                        let Ok(n) = s.read(&mut chunk).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                            buf.drain(..end + 4);
+                            log.lock().unwrap().push((Instant::now(), head));
+                            let _ = s
+                                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                                .await;
+                        }
+                    }
+                });
+            }
+        });
+        (url, seen)
+    }
+
+    async fn get(client: &kube::Client) {
+        let req = http::Request::get("/healthz").body(Vec::new()).unwrap();
+        assert_eq!(client.request_text(req).await.unwrap(), "ok");
+    }
+
+    #[tokio::test]
+    async fn requests_carry_the_install_cni_user_agent() {
+        let (url, seen) = recorder().await;
+        let client = build(kube::Config::new(url.parse().unwrap()), ISTIO_RATE_LIMIT).unwrap();
+        get(&client).await;
+        let heads = seen.lock().unwrap();
+        let ua = heads[0]
+            .1
+            .lines()
+            .find_map(|l| l.strip_prefix("user-agent: "))
+            .unwrap_or_else(|| panic!("no user-agent in {:?}", heads[0].1));
+        assert_eq!(ua, format!("install-cni/{}", env!("CARGO_PKG_VERSION")));
+    }
+
+    #[tokio::test]
+    async fn requests_beyond_the_burst_wait_for_the_rate() {
+        let (url, seen) = recorder().await;
+        // 3 at once, then 10 per second: the 4th request waits for the 300 ms window.
+        let limit = RateLimit { qps: 10, burst: 3 };
+        let client = build(kube::Config::new(url.parse().unwrap()), limit).unwrap();
+        for _ in 0..4 {
+            get(&client).await;
+        }
+        let heads = seen.lock().unwrap();
+        assert_eq!(heads.len(), 4);
+        let burst_end = heads[2].0.duration_since(heads[0].0);
+        let fourth = heads[3].0.duration_since(heads[0].0);
+        assert!(fourth >= Duration::from_millis(250), "{fourth:?}");
+        assert!(burst_end < fourth, "{burst_end:?} {fourth:?}");
+    }
+}
