@@ -453,4 +453,17 @@ mod tests {
         );
         assert!(serde_json::from_str::<CmdAddResponse>(r#"{"decision":"maybe"}"#).is_err());
     }
+
+    /// `/cmdadd` bodies come from any root process on the node: nesting deep enough to
+    /// overflow a recursive parser is refused as an error.
+    #[test]
+    fn deeply_nested_body_is_an_error() {
+        let body = format!(
+            r#"{{"Netns":"/x","PodName":"p","PodNamespace":"n","IPs":{}{}}}"#,
+            "[".repeat(10_000),
+            "]".repeat(10_000)
+        );
+        let err = CmdAddRequest::from_json(body.as_bytes()).unwrap_err();
+        assert!(err.to_string().contains("recursion limit"), "{err}");
+    }
 }

@@ -11,6 +11,10 @@ use cni_core::plugin_conf::PluginConf;
 
 use crate::log::Log;
 
+/// A network config with its `prevResult` is a few KiB; this bounds what a broken or hostile
+/// caller can make the plugin buffer and parse (libcni itself reads stdin unbounded).
+const MAX_STDIN: u64 = 4 << 20;
+
 enum Output {
     Stdout(Vec<u8>),
     Stderr(String),
@@ -78,8 +82,19 @@ fn run(env: &dyn EnvSource, log: &mut Log) -> Result<Output, CniError> {
     };
     let mut stdin = Vec::new();
     std::io::stdin()
+        .lock()
+        .take(MAX_STDIN + 1)
         .read_to_end(&mut stdin)
         .map_err(|e| CniError::new(code::IO_FAILURE, format!("error reading from stdin: {e}")))?;
+    if stdin.len() as u64 > MAX_STDIN {
+        return Err(CniError::new(
+            code::DECODING_FAILURE,
+            format!(
+                "network config on stdin is larger than {} MiB",
+                MAX_STDIN >> 20
+            ),
+        ));
+    }
     let conf_version = check_stdin(&command, &stdin)?;
     match command {
         Command::Add => {

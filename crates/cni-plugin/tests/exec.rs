@@ -712,3 +712,37 @@ fn https_api_server_with_insecure_skip_tls_verify() {
     ok(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV))));
     assert_eq!(api.requests().len(), 2);
 }
+
+// Hostile or broken callers: a huge or deeply nested network config on stdin is a CNI decoding
+// error (code 6) after bounded work.
+
+#[test]
+fn huge_stdin_is_refused_without_reading_it_all() {
+    // 64 MiB of valid JSON: only the size can make it fail.
+    let filler = "a".repeat(64 << 20);
+    let stdin = format!(r#"{{"cniVersion":"1.0.0","name":"n","type":"istio-cni","x":"{filler}"}}"#);
+    let e = error_of(&add(POD_ARGS, &stdin));
+    assert_eq!(e["code"], 6, "{e}");
+    assert!(
+        e["msg"].as_str().unwrap().contains("larger than 4 MiB"),
+        "{e}"
+    );
+}
+
+#[test]
+fn deeply_nested_stdin_is_a_decoding_error_not_a_stack_overflow() {
+    let depth = 10_000;
+    for (open, close) in [("[", "]"), (r#"{"a":"#, "}")] {
+        let stdin = format!(
+            r#"{{"cniVersion":"1.0.0","name":"n","type":"istio-cni","x":{}{}}}"#,
+            open.repeat(depth),
+            close.repeat(depth)
+        );
+        let e = error_of(&add(POD_ARGS, &stdin));
+        assert_eq!(e["code"], 6, "{e}");
+        assert!(
+            e["msg"].as_str().unwrap().contains("recursion limit"),
+            "{e}"
+        );
+    }
+}
