@@ -86,3 +86,58 @@ pub fn run(program: &str, args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// Runs `f` on a fresh thread whose credentials are `uid`/`gid` (real, effective, saved and
+/// filesystem), and returns what it returned. The process keeps root: the raw `setresgid` /
+/// `setresuid` syscalls change only the calling thread (glibc's wrappers, and so nix's, would
+/// change every thread of the test process), and the thread ends afterwards. A socket connected
+/// from `f` carries these credentials (`SO_PEERCRED`) for its whole life, so a test can play an
+/// unprivileged local process without forking.
+pub fn as_user<T: Send + 'static>(
+    uid: u32,
+    gid: u32,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::io::Result<T> {
+    std::thread::spawn(move || {
+        // Groups first: after dropping the uid the thread may no longer change them.
+        // SAFETY: plain syscalls with integer arguments; they touch only this thread's creds.
+        let rc = unsafe { libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: as above.
+        if unsafe { libc::syscall(libc::SYS_setresgid, gid, gid, gid) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: as above.
+        if unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, uid) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(f())
+    })
+    .join()
+    .map_err(|_| std::io::Error::other("as_user closure panicked"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn as_user_changes_only_its_own_thread() {
+        crate::require_root!();
+        let inside = as_user(65534, 65534, || {
+            (
+                nix::unistd::geteuid().as_raw(),
+                nix::unistd::getegid().as_raw(),
+            )
+        })
+        .unwrap();
+        assert_eq!(inside, (65534, 65534));
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "the test process stays root"
+        );
+        assert!(nix::unistd::getegid().as_raw() == 0);
+    }
+}
