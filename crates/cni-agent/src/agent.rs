@@ -281,8 +281,9 @@ async fn start_ambient(
         cfg.inpod.clone(),
         cfg.proc_dir.clone(),
     );
+    let branch_eni = cfg.aws_branch_eni_probe;
     let dataplane = tokio::task::spawn_blocking(move || {
-        NodeDataplane::new(nft, force.as_deref(), host, inpod, &proc_dir)
+        NodeDataplane::new(nft, force.as_deref(), host, inpod, &proc_dir, branch_eni)
             .map_err(|e| anyhow::anyhow!("{e}"))
     })
     .await??;

@@ -664,3 +664,79 @@ async fn backend_switch_on_a_live_node_strands_nothing() {
         assert_pod_clean(pod);
     }
 }
+
+/// AWS Security Groups for Pods: a pod whose host route lives in an `iif` table (aws-vpc-cni's
+/// branch-ENI setup, here faked on the test bridge) gets Istio's two probe rules while enrolled,
+/// on nodes with `tcp_early_demux=0` only, and loses them on removal and on uninstall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aws_branch_eni_pods_get_probe_rules_while_enrolled() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Iptables).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("sgp", &[]).await;
+    let (pod, r) = node.create_pod("sgp", "branch", &[]).await;
+    r.unwrap();
+    let ip = pod.ip.unwrap().to_string();
+    let host = node.node_netns.name.clone();
+    let in_host = |args: &[&str]| {
+        dataplane::test_support::run("ip", &[&["-n", host.as_str()], args].concat())
+    };
+    let rules = || in_host(&["rule", "show"]);
+    in_host(&[
+        "rule", "add", "iif", "cni0", "lookup", "105", "priority", "10",
+    ]);
+    in_host(&[
+        "route",
+        "add",
+        &format!("{ip}/32"),
+        "dev",
+        "cni0",
+        "table",
+        "105",
+    ]);
+    let forward = format!("512:\tfrom all to {ip} lookup 105");
+    let back = "9:\tfrom all iif cni0 lookup local";
+
+    // tcp_early_demux is 1 (the kernel default): not a Security Groups for Pods node.
+    node.label_namespace("sgp", AMBIENT.0, Some(AMBIENT.1))
+        .await;
+    node.wait_redirection(&pod, Some("enabled")).await;
+    assert!(!rules().contains(&forward), "{}", rules());
+
+    // An SGP node: a restarted agent adds the rules while restoring the enrolled pod.
+    node.kill_agent();
+    node.node_netns
+        .exec("sysctl", &["-qw", "net.ipv4.tcp_early_demux=0"]);
+    node.start_agent();
+    node.wait_ready().await;
+    let shown = rules();
+    assert!(shown.contains(&forward) && shown.contains(back), "{shown}");
+    // A pod on plain routing gets none.
+    let (plain, r) = node.create_pod("sgp", "plain", &[]).await;
+    r.unwrap();
+    let plain_ip = plain.ip.unwrap().to_string();
+    assert!(!rules().contains(&format!("to {plain_ip} ")), "{}", rules());
+
+    node.label_pod(&pod, AMBIENT.0, Some("none")).await;
+    node.wait_redirection(&pod, None).await;
+    let shown = rules();
+    assert!(
+        !shown.contains(&forward) && !shown.contains(back),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("10:\tfrom all iif cni0 lookup 105"),
+        "{shown}"
+    );
+
+    // Back in the mesh, then uninstall: the rules go with the host rules.
+    node.label_pod(&pod, AMBIENT.0, None).await;
+    node.wait_redirection(&pod, Some("enabled")).await;
+    assert!(rules().contains(&forward), "{}", rules());
+    assert!(node.stop_agent().success(), "{}", node.agent_log());
+    let shown = rules();
+    assert!(
+        !shown.contains(&forward) && !shown.contains(back),
+        "{shown}"
+    );
+}

@@ -1,6 +1,7 @@
 //! Privileged side effects of istio-cni-rs: the only crate that enters network namespaces, speaks
 //! netlink, runs iptables and touches address sets.
 
+pub mod brancheni;
 pub mod heap;
 pub mod host;
 pub mod inpod;

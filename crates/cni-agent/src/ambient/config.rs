@@ -47,6 +47,12 @@ pub struct AmbientArgs {
           action = ArgAction::Set, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", value_parser = go_bool, global = true)]
     pub ambient_reconcile_pod_rules_on_startup: bool,
+    /// Route kubelet probes to AWS branch-ENI pods (Security Groups for Pods) through their veth;
+    /// acts only on nodes with `net.ipv4.tcp_early_demux=0`.
+    #[arg(long, env = "AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE", default_value = "true",
+          action = ArgAction::Set, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", value_parser = go_bool, global = true)]
+    pub ambient_enable_aws_branch_eni_probe: bool,
     /// Always clean up fully on shutdown, even during an upgrade.
     #[arg(long, env = "AMBIENT_DISABLE_SAFE_UPGRADE", default_value = "false", action = ArgAction::Set,
           num_args = 0..=1, require_equals = true, default_missing_value = "true",
@@ -118,6 +124,7 @@ pub struct AmbientConfig {
     pub health_port: u16,
     pub inpod: InpodConfig,
     pub reconcile_on_startup: bool,
+    pub aws_branch_eni_probe: bool,
     pub disable_safe_upgrade: bool,
     pub system_namespace: String,
     pub host_prefix: PathBuf,
@@ -180,6 +187,7 @@ impl AmbientConfig {
                 ..InpodConfig::default()
             },
             reconcile_on_startup: a.ambient_reconcile_pod_rules_on_startup,
+            aws_branch_eni_probe: a.ambient_enable_aws_branch_eni_probe,
             disable_safe_upgrade: a.ambient_disable_safe_upgrade,
             system_namespace: a.system_namespace.clone(),
             proc_dir: a.host_prefix.join("proc"),
@@ -193,5 +201,34 @@ impl AmbientConfig {
             selectors,
             exclude_namespaces: exclude.into_iter().collect(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[derive(clap::Parser)]
+    struct TestCli {
+        #[command(flatten)]
+        ambient: AmbientArgs,
+    }
+
+    fn parse(env: &[(&str, &str)]) -> Result<AmbientConfig, String> {
+        let mut env: HashMap<&str, &str> = env.iter().copied().collect();
+        env.insert("NODE_NAME", "node-a");
+        let cli: TestCli =
+            crate::config::parse_from(["install-cni"], &env).map_err(|e| e.to_string())?;
+        AmbientConfig::from_args(&cli.ambient, &[], []).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn aws_branch_eni_probe_is_on_unless_disabled() {
+        assert!(parse(&[]).unwrap().aws_branch_eni_probe);
+        let off = [("AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE", "false")];
+        assert!(!parse(&off).unwrap().aws_branch_eni_probe);
+        let bad = [("AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE", "maybe")];
+        assert!(parse(&bad).unwrap_err().contains("maybe"));
     }
 }

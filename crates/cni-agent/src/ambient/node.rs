@@ -4,14 +4,15 @@
 //! The other backend's state, left by an agent that ran with it before a switch, is removed from
 //! the host at startup and from each pod whenever the pod is enrolled, repaired or removed.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::iptables::Family;
 use cni_core::redirect::nft::HostProbeConfig;
+use dataplane::brancheni::{self, BranchEni};
 use dataplane::inpod::{Drift, InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;
 use dataplane::leftovers::{self, IptablesLeftovers};
@@ -36,18 +37,29 @@ pub struct NodeDataplane {
     host: Netns,
     /// Node-wide rule settings (the host side does not vary per pod).
     cfg: InpodConfig,
+    /// AWS branch-ENI probe rules added per pod IP (`None`: not a Security Groups for Pods node,
+    /// or disabled), remembered so removal and shutdown delete exactly those.
+    branch_eni: Option<Mutex<HashMap<IpAddr, BranchEni>>>,
 }
 
 impl NodeDataplane {
     /// `nftables` true selects native nftables; otherwise iptables with the variant detected from
     /// the host (or forced). The kubelet UID for the nftables host rule is found under `proc_dir`.
+    /// `aws_branch_eni`: `AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE`, which acts only where the host's
+    /// `tcp_early_demux` (read under `proc_dir`) is 0.
     pub fn new(
         nftables: bool,
         force_iptables: Option<&str>,
         host: Netns,
         cfg: InpodConfig,
         proc_dir: &Path,
+        aws_branch_eni: bool,
     ) -> Result<Self, BoxError> {
+        let branch_eni =
+            (aws_branch_eni && brancheni::early_demux_disabled(&host, proc_dir)).then(|| {
+                tracing::info!("net.ipv4.tcp_early_demux=0: AWS branch-ENI probe routing on");
+                Mutex::new(HashMap::new())
+            });
         let backend = if nftables {
             let kubelet_uid = dataplane::nft::host::kubelet_uid(proc_dir)?;
             Backend::Nftables {
@@ -65,7 +77,12 @@ impl NodeDataplane {
             tracing::info!(iptables = %detected.choice(), "iptables variant chosen");
             Backend::Iptables(detected)
         };
-        Ok(NodeDataplane { backend, host, cfg })
+        Ok(NodeDataplane {
+            backend,
+            host,
+            cfg,
+            branch_eni,
+        })
     }
 
     fn rules(&self) -> &dyn InpodRules {
@@ -121,6 +138,40 @@ impl NodeDataplane {
         Ok(())
     }
 
+    /// Adds the branch-ENI probe rules for `ip` when it is a branch-ENI pod.
+    fn route_branch_eni(&self, ip: IpAddr) -> Result<(), BoxError> {
+        let Some(known) = &self.branch_eni else {
+            return Ok(());
+        };
+        let eni = match brancheni::detect(&self.host, ip) {
+            Ok(Some(eni)) => eni,
+            Ok(None) => return Ok(()),
+            // As Istio: a detection failure means plain veth routing, not a failed pod.
+            Err(e) => {
+                tracing::warn!(%ip, error = %e, "cannot tell whether the pod is behind a branch ENI");
+                return Ok(());
+            }
+        };
+        brancheni::add_rules(&self.host, ip, &eni)?;
+        tracing::info!(%ip, veth = %eni.veth, table = eni.table, "branch-ENI probe rules added");
+        known.lock().unwrap().insert(ip, eni);
+        Ok(())
+    }
+
+    /// Deletes the branch-ENI probe rules remembered for `ip` (best effort, as the pod may be
+    /// gone and its veth with it).
+    fn unroute_branch_eni(&self, ip: IpAddr) {
+        let Some(known) = &self.branch_eni else {
+            return;
+        };
+        let Some(eni) = known.lock().unwrap().remove(&ip) else {
+            return;
+        };
+        if let Err(e) = brancheni::del_rules(&self.host, ip, &eni) {
+            tracing::warn!(%ip, error = %e, "cannot remove branch-ENI probe rules");
+        }
+    }
+
     fn families(&self) -> Vec<Family> {
         if self.cfg.ipv6 {
             vec![Family::V4, Family::V6]
@@ -151,6 +202,14 @@ impl NodeDataplane {
     /// Removes the host rules and the probe sets, of both backends (uninstall; an upgrade keeps
     /// them).
     pub fn teardown_host(&self) -> Result<(), BoxError> {
+        let remembered: Vec<IpAddr> = self
+            .branch_eni
+            .as_ref()
+            .map(|k| k.lock().unwrap().keys().copied().collect())
+            .unwrap_or_default();
+        for ip in remembered {
+            self.unroute_branch_eni(ip);
+        }
         self.clear_host_leftovers()?;
         match &self.backend {
             Backend::Iptables(b) => {
@@ -212,8 +271,8 @@ impl PodRules for NodeDataplane {
     }
 }
 
-impl ProbeSet for NodeDataplane {
-    fn upsert(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError> {
+impl NodeDataplane {
+    fn set_upsert(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError> {
         match &self.backend {
             Backend::Iptables(_) => {
                 if ip.is_ipv6() && !self.cfg.ipv6 {
@@ -228,7 +287,7 @@ impl ProbeSet for NodeDataplane {
         Ok(())
     }
 
-    fn remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError> {
+    fn set_remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError> {
         match &self.backend {
             Backend::Iptables(_) => {
                 if ip.is_ipv6() && !self.cfg.ipv6 {
@@ -246,7 +305,7 @@ impl ProbeSet for NodeDataplane {
         Ok(())
     }
 
-    fn upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
+    fn set_upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
         match &self.backend {
             Backend::Nftables { host, .. } => {
                 let refs: Vec<(IpAddr, &str)> = entries
@@ -258,8 +317,38 @@ impl ProbeSet for NodeDataplane {
             }
             Backend::Iptables(_) => entries
                 .iter()
-                .try_for_each(|(ip, uid)| self.upsert(*ip, uid)),
+                .try_for_each(|(ip, uid)| self.set_upsert(*ip, uid)),
         }
+    }
+
+    /// Addresses the probe sets hold (IPv6 only with IPv6 on), which are the ones probed.
+    fn probed(&self, ip: IpAddr) -> bool {
+        ip.is_ipv4() || self.cfg.ipv6
+    }
+}
+
+/// Each probe set change also adds or removes the pod's branch-ENI probe rules.
+impl ProbeSet for NodeDataplane {
+    fn upsert(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError> {
+        self.set_upsert(ip, uid)?;
+        if self.probed(ip) {
+            self.route_branch_eni(ip)?;
+        }
+        Ok(())
+    }
+
+    fn remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError> {
+        self.set_remove(ip, uid)?;
+        self.unroute_branch_eni(ip);
+        Ok(())
+    }
+
+    fn upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
+        self.set_upsert_many(entries)?;
+        entries
+            .iter()
+            .filter(|(ip, _)| self.probed(*ip))
+            .try_for_each(|(ip, _)| self.route_branch_eni(*ip))
     }
 
     fn prune(&self, keep: &HashSet<IpAddr>) -> Result<(), BoxError> {
