@@ -72,3 +72,40 @@ impl axum::serve::Listener for PeerCheckedListener {
         self.inner.local_addr()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::serve::Listener;
+    use tokio::io::AsyncReadExt;
+
+    /// A uid listed in `ALLOWED_PEER_UIDS` (a rootless runtime's) is admitted; a peer whose uid is
+    /// not listed is closed without its connection reaching the server. Tests run as one user, so
+    /// that user is listed or not.
+    #[tokio::test]
+    async fn only_listed_peer_uids_are_handed_out() {
+        let me = nix::unistd::geteuid().as_raw();
+        let other = me.wrapping_add(4242);
+        let dir = tempfile::tempdir().unwrap();
+
+        let path = dir.path().join("sock/allowed.sock");
+        let mut listener = PeerCheckedListener::bind(&path, vec![other, me]).unwrap();
+        let _client = UnixStream::connect(&path).await.unwrap();
+        let (stream, _) = tokio::time::timeout(Duration::from_secs(5), listener.accept())
+            .await
+            .expect("a listed uid is admitted");
+        assert_eq!(stream.peer_cred().unwrap().uid(), me);
+
+        let path = dir.path().join("sock/refused.sock");
+        let mut listener = PeerCheckedListener::bind(&path, vec![other]).unwrap();
+        let mut client = UnixStream::connect(&path).await.unwrap();
+        let accepted = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
+        assert!(accepted.is_err(), "an unlisted uid must not be handed out");
+        let mut buf = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(5), client.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        assert_eq!(n, 0, "the refused connection is closed");
+    }
+}

@@ -758,3 +758,51 @@ async fn real_ztunnel_handshake_add_and_del() {
     result.unwrap_or_else(|e| panic!("real ztunnel: {e}\n{log}"));
     agent.shutdown().await;
 }
+
+/// A non-root ztunnel is trusted through the socket directory the operator gave its UID: it
+/// connects and gets its snapshot; another unprivileged peer that can reach the socket (here
+/// through the directory's group) is refused by the peer check.
+#[tokio::test]
+async fn socket_dir_owner_is_the_trusted_ztunnel_and_others_are_refused() {
+    dataplane::require_root!();
+    const ZTUNNEL_UID: u32 = 4242;
+    const OTHER_UID: u32 = 4343;
+    let agent = Agent::start_with(|c| {
+        let dir = c.socket_path.parent().unwrap();
+        // The temp dir above is 0700; open it so the unprivileged peers reach the socket dir.
+        std::fs::set_permissions(
+            dir.parent().unwrap(),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+        std::fs::create_dir(dir).unwrap();
+        std::os::unix::fs::chown(dir, Some(ZTUNNEL_UID), Some(ZTUNNEL_UID)).unwrap();
+        assert_eq!(c.allowed_uids, vec![0], "root only by default");
+    });
+    let peer_as = |uid: u32| {
+        tokio::process::Command::new("setpriv")
+            .args([
+                format!("--reuid={uid}"),
+                format!("--regid={ZTUNNEL_UID}"),
+                "--clear-groups".into(),
+                "--".into(),
+            ])
+            .arg(env!("CARGO_BIN_EXE_fake-ztunnel"))
+            .arg("--socket")
+            .arg(&agent.path)
+            .arg("--no-proxies")
+            .kill_on_drop(true)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let _ztunnel = peer_as(ZTUNNEL_UID);
+    agent.wait_synced(1).await;
+    assert_eq!(agent.zds.connected(), 1);
+
+    let _other = peer_as(OTHER_UID);
+    // The other peer keeps reconnecting; none of its connections may be counted.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(agent.zds.connected(), 1, "uid {OTHER_UID} must be refused");
+    agent.shutdown().await;
+}

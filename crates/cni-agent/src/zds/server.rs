@@ -17,6 +17,8 @@ use crate::netns_cache::NetnsCache;
 pub struct ZdsServer {
     listener: UnixSeqpacketListener,
     cfg: ZdsConfig,
+    /// Owner of the socket directory when not root: the ztunnel identity the node was set up for.
+    dir_owner: Option<u32>,
     cache: Arc<NetnsCache>,
     shared: Arc<Shared>,
 }
@@ -30,8 +32,13 @@ fn socket_err(path: &Path, source: std::io::Error) -> ZdsError {
 
 /// Creates the socket's directory root-only (0750 at most), tightening an existing one, and
 /// removes a stale socket left by a previous agent. Anything at the path that is not a socket is
-/// left alone and reported: we never delete a file we did not create.
-fn prepare_path(path: &Path) -> Result<(), ZdsError> {
+/// left alone and reported: we never delete a file we did not create. Returns the directory's
+/// owner UID when it is not root.
+///
+/// A non-root ztunnel can only reach the socket through a directory its UID owns (or its group
+/// may enter), so the directory's owner is the ztunnel identity the operator set up: that UID is
+/// trusted on the socket besides `allowed_uids`, and nobody else gains access by it.
+fn prepare_path(path: &Path) -> Result<Option<u32>, ZdsError> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -55,15 +62,19 @@ fn prepare_path(path: &Path) -> Result<(), ZdsError> {
     }
     match fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
-            fs::remove_file(path).map_err(|e| socket_err(path, e))
+            fs::remove_file(path).map_err(|e| socket_err(path, e))?
         }
-        Ok(_) => Err(socket_err(
-            path,
-            std::io::Error::other("exists and is not a socket"),
-        )),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(socket_err(path, e)),
+        Ok(_) => {
+            return Err(socket_err(
+                path,
+                std::io::Error::other("exists and is not a socket"),
+            ));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(socket_err(path, e)),
     }
+    use std::os::unix::fs::MetadataExt;
+    Ok(Some(meta.uid()).filter(|uid| *uid != 0))
 }
 
 impl ZdsServer {
@@ -81,8 +92,12 @@ impl ZdsServer {
         cache: Arc<NetnsCache>,
         metrics: ZdsMetrics,
     ) -> Result<(ZdsServer, ZdsHandle), ZdsError> {
-        prepare_path(&cfg.socket_path)?;
+        let dir_owner = prepare_path(&cfg.socket_path)?;
         let listener = UnixSeqpacketListener::bind(&cfg.socket_path)
+            .map_err(|e| socket_err(&cfg.socket_path, e))?;
+        // Connecting needs write access to the socket file; the 0750 directory decides who can
+        // reach it, and the peer check who may stay.
+        fs::set_permissions(&cfg.socket_path, Permissions::from_mode(0o666))
             .map_err(|e| socket_err(&cfg.socket_path, e))?;
         let shared = Arc::new(Shared {
             conns: Mutex::new(Vec::new()),
@@ -98,6 +113,7 @@ impl ZdsServer {
             ZdsServer {
                 listener,
                 cfg,
+                dir_owner,
                 cache,
                 shared,
             },
@@ -144,7 +160,7 @@ impl ZdsServer {
                 return None;
             }
         };
-        if !self.cfg.allowed_uids.contains(&cred.uid()) {
+        if !self.cfg.allowed_uids.contains(&cred.uid()) && self.dir_owner != Some(cred.uid()) {
             tracing::warn!(uid = cred.uid(), pid = ?cred.pid(), "ZDS peer uid not allowed; closing");
             return None;
         }
