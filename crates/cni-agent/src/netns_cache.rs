@@ -11,7 +11,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cni_core::zds::WorkloadInfo;
-use dataplane::netns::{Netns, NetnsError};
+use dataplane::netns::{Netns, NetnsError, NetnsId};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsCacheError {
@@ -19,6 +19,9 @@ pub enum NetnsCacheError {
     BadPath(String),
     #[error(transparent)]
     Netns(#[from] NetnsError),
+    /// Redirecting the host's own namespace would capture the node's traffic.
+    #[error("netns path {0:?} is the host's network namespace, not a pod's")]
+    HostNetns(String),
 }
 
 /// What the cache knows about one pod.
@@ -59,14 +62,19 @@ impl NetnsCache {
     }
 
     /// Opens the runtime-reported `CNI_NETNS` beneath the host prefix, refusing anything that is
-    /// not a network namespace and any path that could climb out of the prefix.
-    pub fn open_netns(&self, cni_netns: &str) -> Result<Netns, NetnsCacheError> {
+    /// not a network namespace, any path that could climb out of the prefix, and the host's own
+    /// namespace `host` however it is reached (`/proc/1/ns/net`, a symlink to it).
+    pub fn open_netns(&self, cni_netns: &str, host: NetnsId) -> Result<Netns, NetnsCacheError> {
         let path = Path::new(cni_netns);
         if !path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
             return Err(NetnsCacheError::BadPath(cni_netns.to_string()));
         }
         let relative = path.strip_prefix("/").unwrap_or(path);
-        Ok(Netns::open(self.host_prefix.join(relative))?)
+        let netns = Netns::open(self.host_prefix.join(relative))?;
+        if netns.id() == host {
+            return Err(NetnsCacheError::HostNetns(cni_netns.to_string()));
+        }
+        Ok(netns)
     }
 
     /// Records `netns` for `uid`. When the cached namespace is the same one (same nsfs inode and
@@ -155,21 +163,52 @@ mod tests {
         assert!(cache.is_empty());
     }
 
+    /// An id no namespace has, for tests that are not about the host check.
+    fn elsewhere() -> NetnsId {
+        NetnsId { dev: 0, ino: 0 }
+    }
+
     #[test]
     fn open_resolves_beneath_the_prefix_and_refuses_escapes() {
         let cache = NetnsCache::new("/proc/self");
-        let ns = cache.open_netns("/ns/net").unwrap();
+        let ns = cache.open_netns("/ns/net", elsewhere()).unwrap();
         assert_eq!(ns.id(), Netns::current().unwrap().id());
         assert!(matches!(
-            cache.open_netns("/../self/ns/net"),
+            cache.open_netns("/../self/ns/net", elsewhere()),
             Err(NetnsCacheError::BadPath(_))
         ));
         assert!(matches!(
-            cache.open_netns("ns/net"),
+            cache.open_netns("ns/net", elsewhere()),
             Err(NetnsCacheError::BadPath(_))
         ));
         assert!(matches!(
-            cache.open_netns("/ns/mnt"),
+            cache.open_netns("/ns/mnt", elsewhere()),
+            Err(NetnsCacheError::Netns(NetnsError::NotNetns { .. }))
+        ));
+    }
+
+    /// `CNI_NETNS` tricks on `/cmdadd`: the host namespace by its /proc path or through a
+    /// symlink, and a regular file, are refused before anything is programmed.
+    #[test]
+    fn host_namespace_and_plain_files_are_refused() {
+        let host = Netns::current().unwrap().id();
+        let cache = NetnsCache::new("/");
+        let err = cache.open_netns("/proc/self/ns/net", host).unwrap_err();
+        assert!(matches!(err, NetnsCacheError::HostNetns(_)), "{err}");
+        assert!(err.to_string().contains("/proc/self/ns/net"), "{err}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("cni-1234");
+        std::os::unix::fs::symlink("/proc/self/ns/net", &link).unwrap();
+        assert!(matches!(
+            cache.open_netns(link.to_str().unwrap(), host),
+            Err(NetnsCacheError::HostNetns(_))
+        ));
+
+        let file = dir.path().join("not-a-netns");
+        std::fs::write(&file, b"").unwrap();
+        assert!(matches!(
+            cache.open_netns(file.to_str().unwrap(), host),
             Err(NetnsCacheError::Netns(NetnsError::NotNetns { .. }))
         ));
     }
@@ -184,7 +223,9 @@ mod tests {
         let second = cache.upsert("u", info(), b.open());
         assert!(!Arc::ptr_eq(&first, &second));
         assert_eq!(cache.get("u").unwrap().netns.unwrap().id(), b.open().id());
-        let via_path = cache.open_netns(b.path().to_str().unwrap()).unwrap();
+        let via_path = cache
+            .open_netns(b.path().to_str().unwrap(), elsewhere())
+            .unwrap();
         assert_eq!(via_path.id(), b.open().id());
     }
 }

@@ -307,7 +307,10 @@ impl Mesh {
         netns_path: Option<&str>,
     ) -> Result<Arc<Netns>, String> {
         if let Some(path) = netns_path {
-            let ns = self.cache.open_netns(path).map_err(|e| e.to_string())?;
+            let ns = self
+                .cache
+                .open_netns(path, self.host_netns)
+                .map_err(|e| e.to_string())?;
             self.hints.record(uid, path);
             return Ok(self.cache.upsert(uid, workload.clone(), ns));
         }
