@@ -157,8 +157,8 @@ async fn nobody_cannot_even_reach_the_sockets_the_agent_creates() {
         Arc::new(NetnsCache::new("/")),
     )
     .unwrap();
-    // Make the test's own tempdir traversable: what remains is what the agent set up (0750
-    // directories, a ZDS socket file only root can write).
+    // Make the test's own tempdir traversable: what remains is what the agent set up (root-owned
+    // 0750 directories; the socket files themselves are 0666).
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     for path in [http, zds] {
         let p = path.clone();
@@ -207,8 +207,8 @@ impl Zds {
             cache.clone(),
         )
         .unwrap();
-        // The server made its directory 0750 and its socket file writable by root only; open
-        // both so the peer check is what refuses.
+        // The server made its root-owned directory 0750 (its socket file is 0666); open both so
+        // the peer check is what refuses.
         let open = |p: &Path, mode| {
             std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
         };
