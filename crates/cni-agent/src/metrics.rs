@@ -241,4 +241,70 @@ mod tests {
             assert!(value >= min, "{sample} = {value}");
         }
     }
+
+    /// docs/metrics.md lists exactly the metric families the agent registers: nothing documented
+    /// that is never emitted, nothing emitted that is undocumented.
+    #[test]
+    fn metrics_doc_lists_what_is_registered() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        // A labelled family is exported once it has a series.
+        let result = ResultLabel {
+            result: "SUCCESS".into(),
+        };
+        m.installs.get_or_create(&result).inc();
+        let repair = RepairLabels {
+            r#type: "repair".into(),
+            result: "success".into(),
+        };
+        m.pods_repaired.get_or_create(&repair).inc();
+        let kind = TypeLabel {
+            r#type: "add".into(),
+        };
+        m.reconcile_events.get_or_create(&kind).inc();
+        let code = ResponseCodeLabel {
+            response_code: "200".into(),
+        };
+        m.plugin_requests.get_or_create(&code).inc();
+        let backend = BackendLabel {
+            backend: "nftables".into(),
+        };
+        m.rule_apply_seconds.get_or_create(&backend).observe(0.001);
+        m.drift_repairs.get_or_create(&backend).inc();
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        let exported = |family: &str, kind: &str| match kind {
+            "counter" => format!("{family}_total"),
+            _ => family.to_string(),
+        };
+        let mut registered: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| {
+                let (family, kind) = l.split_once(' ').unwrap();
+                exported(family, kind)
+            })
+            .collect();
+        registered.sort();
+        let doc = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/metrics.md"
+        ))
+        .unwrap();
+        // The first cell of each table row names a metric.
+        let mut documented: Vec<String> = doc
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+            .filter(|name| {
+                ["istio_cni_", "nodeagent_", "ztunnel_", "process_"]
+                    .iter()
+                    .any(|p| name.starts_with(p))
+                    && name.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            })
+            .map(str::to_string)
+            .collect();
+        documented.sort();
+        documented.dedup();
+        assert_eq!(documented, registered);
+    }
 }
