@@ -275,16 +275,25 @@ async fn start_ambient(
         dataplane::netns::Netns::current()?
     };
     let host_id = host.id();
-    let (nft, force, inpod, proc_dir) = (
+    let (nft, force, scoped_lock, inpod, proc_dir) = (
         setup.native_nftables,
         cfg.force_iptables_binary.clone(),
+        cfg.scoped_xtables_locking,
         cfg.inpod.clone(),
         cfg.proc_dir.clone(),
     );
     let branch_eni = cfg.aws_branch_eni_probe;
     let dataplane = tokio::task::spawn_blocking(move || {
-        NodeDataplane::new(nft, force.as_deref(), host, inpod, &proc_dir, branch_eni)
-            .map_err(|e| anyhow::anyhow!("{e}"))
+        NodeDataplane::new(
+            nft,
+            force.as_deref(),
+            scoped_lock,
+            host,
+            inpod,
+            &proc_dir,
+            branch_eni,
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))
     })
     .await??;
     let dataplane = Arc::new(dataplane);

@@ -8,6 +8,7 @@
 
 pub mod detect;
 pub mod exec;
+pub mod sandbox;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -212,7 +213,8 @@ impl IptablesBackend {
         Ok(backend)
     }
 
-    /// `lock_dir`: per-namespace lock files for legacy >= 1.8.6 (`None`: the global xtables lock).
+    /// `lock_dir`: where pod namespaces get their own xtables lock file (`None`: pods take the
+    /// node-wide lock too). Only legacy locks at all.
     pub fn new(bins: Binaries, lock_dir: Option<PathBuf>) -> Self {
         IptablesBackend {
             bins,
@@ -220,6 +222,23 @@ impl IptablesBackend {
             lock_dir,
             canonical: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// `AMBIENT_USE_SCOPED_XTABLES_LOCKING` (Istio's default: on). Off, pod commands queue on
+    /// the node-wide lock with kube-proxy; they stay in the NSS sandbox either way.
+    pub fn with_scoped_locking(mut self, on: bool) -> Self {
+        if !on {
+            self.lock_dir = None;
+        }
+        self
+    }
+
+    /// The lock file commands in pod namespace `netns` take (`None`: the node-wide
+    /// `/run/xtables.lock`, or no lock at all with nft and legacy before 1.6.2).
+    pub fn pod_lock_file(&self, netns: &Netns) -> Option<PathBuf> {
+        let dir = self.lock_dir.as_ref().filter(|_| self.bins.wants_wait())?;
+        let id = netns.id();
+        Some(dir.join(format!("xtables-{}-{}.lock", id.dev, id.ino)))
     }
 
     pub fn binaries(&self) -> &Binaries {
@@ -240,14 +259,10 @@ impl IptablesBackend {
         netns: &'a Netns,
         scoped_lock: bool,
     ) -> Result<Runner<'a>, IptablesError> {
-        let lock_file = match (&self.lock_dir, scoped_lock && self.bins.scoped_lock()) {
-            (Some(dir), true) => {
-                create_lock_dir(dir)?;
-                let id = netns.id();
-                Some(dir.join(format!("xtables-{}-{}.lock", id.dev, id.ino)))
-            }
-            _ => None,
-        };
+        let lock_file = self.pod_lock_file(netns).filter(|_| scoped_lock);
+        if let (Some(dir), Some(_)) = (&self.lock_dir, &lock_file) {
+            create_lock_dir(dir)?;
+        }
         Ok(Runner {
             bins: &self.bins,
             netns,

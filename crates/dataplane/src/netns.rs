@@ -155,6 +155,39 @@ impl Netns {
         self.run(|| cmd.spawn())
             .map_err(|e| io::Error::other(e.to_string()))?
     }
+
+    /// Like [`Netns::spawn`], but always from a fresh thread that, once inside the namespace,
+    /// runs `isolate` first: it may change what only that thread and its child share (its mount
+    /// namespace), because the thread exits right after the spawn, even when called inside a
+    /// [`Netns::run`] of this namespace.
+    pub fn spawn_isolated(
+        &self,
+        cmd: &mut Command,
+        isolate: impl FnOnce() -> io::Result<()> + Send,
+    ) -> Result<Child, SpawnError> {
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    setns(self.fd.as_fd(), CloneFlags::CLONE_NEWNET)
+                        .map_err(|e| SpawnError::Spawn(e.into()))?;
+                    isolate().map_err(SpawnError::Isolate)?;
+                    cmd.spawn().map_err(SpawnError::Spawn)
+                })
+                .join()
+                .unwrap_or_else(|_| {
+                    Err(SpawnError::Spawn(io::Error::other("spawn thread panicked")))
+                })
+        })
+    }
+}
+
+/// Why [`Netns::spawn_isolated`] started nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error("cannot isolate the child: {0}")]
+    Isolate(io::Error),
+    #[error(transparent)]
+    Spawn(io::Error),
 }
 
 impl AsFd for Netns {

@@ -395,3 +395,84 @@ fn render_is_the_restore_input() {
     let text = b.render(&InpodConfig::default());
     assert!(text.starts_with("* mangle\n-N ISTIO_PRERT\n") && text.ends_with("COMMIT\n"));
 }
+
+/// Holds an exclusive flock on `path` (created if missing) until dropped.
+fn hold_lock(path: &std::path::Path) -> nix::fcntl::Flock<std::fs::File> {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap();
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).unwrap()
+}
+
+/// Whether `apply` in a fresh pod waits while someone holds `lock_of(pod)`: runs it in the
+/// background, and releases the lock after `hold`.
+fn apply_waits_for(
+    b: &IptablesBackend,
+    lock_of: impl Fn(&dataplane::netns::Netns) -> std::path::PathBuf,
+) -> bool {
+    let pod = TestNetns::new("ipt-lock");
+    let netns = pod.open();
+    let cfg = InpodConfig::default();
+    let held = hold_lock(&lock_of(&netns));
+    std::thread::scope(|s| {
+        let worker = s.spawn(|| b.apply(&netns, &cfg));
+        std::thread::sleep(std::time::Duration::from_millis(700));
+        let waited = !worker.is_finished();
+        drop(held);
+        worker.join().unwrap().unwrap();
+        assert_eq!(b.verify(&netns, &cfg).unwrap(), RuleState::InSync);
+        waited
+    })
+}
+
+fn legacy(version: (u32, u32, u32)) -> dataplane::iptables::detect::Binaries {
+    dataplane::iptables::detect::Binaries {
+        prefix: "iptables-legacy".into(),
+        variant: Variant::Legacy,
+        version,
+    }
+}
+
+#[test]
+fn legacy_pod_commands_take_the_pods_own_lock_by_env_and_by_bind_mount() {
+    dataplane::require_root!();
+    // 1.8.6 and later get XTABLES_LOCKFILE; before, the file is bound over /run/xtables.lock in
+    // the sandbox (the binary here is newer, but is not told the path, so it uses the global one).
+    for version in [(1, 8, 9), (1, 8, 5)] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = IptablesBackend::new(legacy(version), Some(dir.path().to_owned()));
+        assert!(
+            apply_waits_for(&b, |ns| b.pod_lock_file(ns).expect("pod lock")),
+            "{version:?}: apply ignored the pod's lock"
+        );
+        // Another pod's lock does not hold this one up.
+        let other = TestNetns::new("ipt-lock-other");
+        let others = b.pod_lock_file(&other.open()).unwrap();
+        assert!(!apply_waits_for(&b, |_| others.clone()), "{version:?}");
+    }
+}
+
+#[test]
+fn scoped_locking_off_leaves_pods_on_the_node_lock() {
+    dataplane::require_root!();
+    let dir = tempfile::tempdir().unwrap();
+    let b = IptablesBackend::new(legacy((1, 8, 9)), Some(dir.path().to_owned()))
+        .with_scoped_locking(false);
+    let pod = TestNetns::new("ipt-nolock");
+    assert_eq!(b.pod_lock_file(&pod.open()), None);
+    b.apply(&pod.open(), &InpodConfig::default()).unwrap();
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    // nft never locks.
+    let nft = IptablesBackend::new(
+        dataplane::iptables::detect::Binaries {
+            prefix: "iptables-nft".into(),
+            variant: Variant::Nft,
+            version: (1, 8, 9),
+        },
+        Some(dir.path().to_owned()),
+    );
+    assert_eq!(nft.pod_lock_file(&pod.open()), None);
+}

@@ -96,6 +96,12 @@ pub struct AmbientArgs {
     /// `legacy` or `nft`: force the iptables variant instead of detecting it.
     #[arg(long, env = "FORCE_IPTABLES_BINARY", global = true)]
     pub force_iptables_binary: Option<String>,
+    /// In-pod iptables commands take a lock file of their pod's own instead of the node's
+    /// `/run/xtables.lock` (legacy iptables only; nft takes no lock).
+    #[arg(long, env = "AMBIENT_USE_SCOPED_XTABLES_LOCKING", default_value = "true",
+          action = ArgAction::Set, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", value_parser = go_bool, global = true)]
+    pub ambient_use_scoped_xtables_locking: bool,
     /// Seconds between checks of enrolled pods' rules against the kernel (drift repair); 0 disables.
     #[arg(
         long,
@@ -132,6 +138,8 @@ pub struct AmbientConfig {
     pub switch_to_host_ns: bool,
     pub host_netns: Option<PathBuf>,
     pub force_iptables_binary: Option<String>,
+    /// `AMBIENT_USE_SCOPED_XTABLES_LOCKING`
+    pub scoped_xtables_locking: bool,
     pub allowed_peer_uids: Vec<u32>,
     pub drift_check_interval: Option<std::time::Duration>,
     pub selectors: CompiledSelectors,
@@ -195,6 +203,7 @@ impl AmbientConfig {
             switch_to_host_ns: a.allow_switch_to_host_ns,
             host_netns: a.host_netns.clone().filter(|p| !p.as_os_str().is_empty()),
             force_iptables_binary: a.force_iptables_binary.clone().filter(|f| !f.is_empty()),
+            scoped_xtables_locking: a.ambient_use_scoped_xtables_locking,
             allowed_peer_uids: a.allowed_peer_uids.clone(),
             drift_check_interval: (a.drift_check_interval_seconds > 0)
                 .then(|| std::time::Duration::from_secs(a.drift_check_interval_seconds)),
@@ -230,5 +239,14 @@ mod tests {
         assert!(!parse(&off).unwrap().aws_branch_eni_probe);
         let bad = [("AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE", "maybe")];
         assert!(parse(&bad).unwrap_err().contains("maybe"));
+    }
+
+    #[test]
+    fn scoped_xtables_locking_is_on_unless_turned_off() {
+        assert!(parse(&[]).unwrap().scoped_xtables_locking);
+        let off = [("AMBIENT_USE_SCOPED_XTABLES_LOCKING", "false")];
+        assert!(!parse(&off).unwrap().scoped_xtables_locking);
+        let bad = [("AMBIENT_USE_SCOPED_XTABLES_LOCKING", "sometimes")];
+        assert!(parse(&bad).unwrap_err().contains("sometimes"));
     }
 }

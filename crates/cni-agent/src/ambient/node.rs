@@ -44,12 +44,14 @@ pub struct NodeDataplane {
 
 impl NodeDataplane {
     /// `nftables` true selects native nftables; otherwise iptables with the variant detected from
-    /// the host (or forced). The kubelet UID for the nftables host rule is found under `proc_dir`.
+    /// the host (or forced), pods under their own xtables lock when `scoped_xtables_locking`. The
+    /// kubelet UID for the nftables host rule is found under `proc_dir`.
     /// `aws_branch_eni`: `AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE`, which acts only where the host's
     /// `tcp_early_demux` (read under `proc_dir`) is 0.
     pub fn new(
         nftables: bool,
         force_iptables: Option<&str>,
+        scoped_xtables_locking: bool,
         host: Netns,
         cfg: InpodConfig,
         proc_dir: &Path,
@@ -75,7 +77,7 @@ impl NodeDataplane {
             // Detection runs in the host namespace: the pods use the variant the host uses.
             let detected = host.run(|| IptablesBackend::detect(force_iptables, cfg.ipv6))??;
             tracing::info!(iptables = %detected.choice(), "iptables variant chosen");
-            Backend::Iptables(detected)
+            Backend::Iptables(detected.with_scoped_locking(scoped_xtables_locking))
         };
         Ok(NodeDataplane {
             backend,

@@ -78,7 +78,8 @@ impl Binaries {
         self.variant == Variant::Legacy && self.version >= (1, 6, 2)
     }
 
-    /// Legacy from 1.8.6 reads the lock path from `XTABLES_LOCKFILE`, so each pod can have its own.
+    /// Legacy from 1.8.6 reads the lock path from `XTABLES_LOCKFILE`; before, a pod's own lock
+    /// must be bound over `/run/xtables.lock`.
     pub fn scoped_lock(&self) -> bool {
         self.variant == Variant::Legacy && self.version >= (1, 8, 6)
     }

@@ -1,12 +1,13 @@
-//! Running the iptables tools inside a namespace: the child enters the pod netns between fork
-//! and exec (the caller's thread never moves), gets the lock settings for the variant, and exit
-//! codes become readable errors.
+//! Running the iptables tools inside a namespace: the child is started in the pod netns and in
+//! the xtables [`sandbox`](super::sandbox) (the caller's thread never moves), gets the lock
+//! settings for the variant, and exit codes become readable errors.
 
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use super::detect::Binaries;
+use super::sandbox;
 use crate::netns::Netns;
 
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +48,7 @@ fn class(code: i32) -> &'static str {
     }
 }
 
-/// How to run a tool: which namespace, and the pod-scoped lock file when the variant supports one.
+/// How to run a tool: which namespace, and the pod-scoped lock file (`None`: the node-wide one).
 pub struct Runner<'a> {
     pub bins: &'a Binaries,
     pub netns: &'a Netns,
@@ -66,14 +67,19 @@ impl Runner<'_> {
         let binary = self.bins.tool(v6, tool);
         let mut cmd = Command::new(&binary);
         // Writers take the xtables lock; save never does.
-        if tool != "-save" && self.bins.wants_wait() {
+        let locks = tool != "-save" && self.bins.wants_wait();
+        if locks {
             cmd.arg("--wait=30");
         }
         cmd.args(args);
-        if let Some(lock) = &self.lock_file
-            && self.bins.scoped_lock()
-        {
-            cmd.env("XTABLES_LOCKFILE", lock);
+        // The pod's lock: named by env from legacy 1.8.6, bound over the global path before.
+        let mut bind_lock = None;
+        if let Some(lock) = self.lock_file.as_deref().filter(|_| locks) {
+            if self.bins.scoped_lock() {
+                cmd.env("XTABLES_LOCKFILE", lock);
+            } else {
+                bind_lock = Some(lock);
+            }
         }
         cmd.stdin(if stdin.is_some() {
             Stdio::piped()
@@ -85,7 +91,7 @@ impl Runner<'_> {
             binary: binary.clone(),
             source,
         };
-        let mut child = self.netns.spawn(&mut cmd).map_err(spawn_err)?;
+        let mut child = sandbox::spawn(self.netns, &mut cmd, bind_lock).map_err(spawn_err)?;
         if let Some(input) = stdin {
             let mut pipe = child.stdin.take().expect("stdin piped");
             // A tool that exits early closes the pipe; its exit status tells the real story.
