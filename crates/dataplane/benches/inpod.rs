@@ -67,4 +67,29 @@ fn main() {
             println!("  remove {}", stats(remove));
         }
     }
+    sandbox_cost(samples * 4);
+}
+
+/// What the xtables sandbox (a private mount namespace per iptables child) adds to starting a
+/// child in a pod namespace: `/bin/true` both ways, interleaved so machine load hits both alike.
+fn sandbox_cost(samples: usize) {
+    let ns = TestNetns::new("bench-sandbox");
+    let netns = ns.open();
+    let (mut plain, mut sandboxed) = (Vec::new(), Vec::new());
+    for _ in 0..samples {
+        let t = Instant::now();
+        let mut cmd = std::process::Command::new("true");
+        netns.spawn(&mut cmd).unwrap().wait().unwrap();
+        plain.push(t.elapsed());
+        let t = Instant::now();
+        let mut cmd = std::process::Command::new("true");
+        dataplane::iptables::sandbox::spawn(&netns, &mut cmd, None)
+            .unwrap()
+            .wait()
+            .unwrap();
+        sandboxed.push(t.elapsed());
+    }
+    println!("child start in a pod netns, {samples} samples:");
+    println!("  plain     {}", stats(plain));
+    println!("  sandboxed {}", stats(sandboxed));
 }
