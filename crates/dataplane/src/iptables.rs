@@ -44,12 +44,47 @@ pub enum IptablesError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A commit the kernel refused because another writer changed the table since it was read
+    /// (legacy's entry-count check, EAGAIN): nothing of it was applied.
+    #[error("table changed under the commit by another writer: {0}")]
+    Contended(ExecError),
     #[error("{family:?} failed: {source}; rolled back to no rules")]
     RolledBack {
         family: Family,
         #[source]
         source: Box<IptablesError>,
     },
+}
+
+impl IptablesError {
+    fn contended(&self) -> bool {
+        match self {
+            IptablesError::Contended(_) => true,
+            IptablesError::RolledBack { source, .. } => source.contended(),
+            _ => false,
+        }
+    }
+}
+
+/// Tries of one change while other writers keep changing the same tables.
+const COMMIT_ATTEMPTS: u64 = 8;
+
+/// Whether `iptables-restore` failed on a `COMMIT` line of `input`: the kernel refused the table
+/// replacement (legacy says only `line N failed`), as opposed to a rule it could not parse.
+fn failed_at_commit(e: &ExecError, input: &str) -> bool {
+    let ExecError::Failed {
+        code: 1, stderr, ..
+    } = e
+    else {
+        return false;
+    };
+    let line = stderr
+        .split("line ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse::<usize>().ok());
+    line.and_then(|n| input.lines().nth(n.checked_sub(1)?))
+        .is_some_and(|l| l.trim() == "COMMIT")
 }
 
 impl From<IptablesError> for RuleError {
@@ -283,8 +318,11 @@ impl IptablesBackend {
         text: &str,
     ) -> Result<(), IptablesError> {
         tracing::debug!(family = ?family, "iptables-restore --noflush:\n{text}");
-        runner.run(family == Family::V6, "-restore", &["--noflush"], Some(text))?;
-        Ok(())
+        match runner.run(family == Family::V6, "-restore", &["--noflush"], Some(text)) {
+            Ok(_) => Ok(()),
+            Err(e) if failed_at_commit(&e, text) => Err(IptablesError::Contended(e)),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The desired rules as this variant's `-save` prints them, learnt once per rule set by
@@ -385,9 +423,31 @@ impl IptablesBackend {
         Ok((current, verdict, claimed))
     }
 
-    /// Makes `netns` hold exactly `rules_for(family)` for both families. Returns the states seen
-    /// before the change.
+    /// Makes `netns` hold exactly `rules_for(family)` for both families, from a fresh read each
+    /// time a concurrent writer made the kernel refuse a commit. Returns the states seen before
+    /// the change.
     fn converge(
+        &self,
+        netns: &Netns,
+        scoped_lock: bool,
+        rules_for: impl Fn(Family) -> Vec<Rule>,
+        claim_for: impl Fn(Family) -> Vec<Rule>,
+        prep: Prep<'_>,
+    ) -> Result<Vec<RuleState>, IptablesError> {
+        let mut attempt = 1;
+        loop {
+            match self.converge_once(netns, scoped_lock, &rules_for, &claim_for, prep) {
+                Err(e) if e.contended() && attempt < COMMIT_ATTEMPTS => {
+                    tracing::debug!(attempt, error = %e, "iptables commit raced another writer; retrying");
+                    std::thread::sleep(std::time::Duration::from_millis(5 * attempt));
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn converge_once(
         &self,
         netns: &Netns,
         scoped_lock: bool,
@@ -636,5 +696,50 @@ impl InpodRules for IptablesBackend {
             let _ = std::fs::remove_file(lock);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(code: i32, stderr: &str) -> ExecError {
+        ExecError::Failed {
+            binary: "iptables-legacy-restore".into(),
+            code,
+            class: "other problem",
+            stderr: stderr.into(),
+        }
+    }
+
+    #[test]
+    fn only_a_refused_commit_counts_as_contention() {
+        let input = "*nat\n-N ISTIO_OUTPUT\nCOMMIT\n";
+        assert!(failed_at_commit(
+            &failed(1, "iptables-restore: line 3 failed"),
+            input
+        ));
+        // A rule the tool could not apply, a parameter problem, a line that does not exist.
+        assert!(!failed_at_commit(
+            &failed(1, "iptables-restore: line 2 failed"),
+            input
+        ));
+        assert!(!failed_at_commit(
+            &failed(2, "iptables-restore: line 3 failed"),
+            input
+        ));
+        assert!(!failed_at_commit(
+            &failed(1, "iptables-restore: line 9 failed"),
+            input
+        ));
+        assert!(!failed_at_commit(
+            &failed(1, "iptables-restore: line 0 failed"),
+            input
+        ));
+        let contended = IptablesError::RolledBack {
+            family: Family::V6,
+            source: Box::new(IptablesError::Contended(failed(1, "line 3 failed"))),
+        };
+        assert!(contended.contended());
     }
 }

@@ -396,6 +396,21 @@ fn render_is_the_restore_input() {
     assert!(text.starts_with("* mangle\n-N ISTIO_PRERT\n") && text.ends_with("COMMIT\n"));
 }
 
+/// Our lines per table: legacy lists tables in the order they were created, which differs
+/// between namespaces.
+fn istio_by_table(text: &str) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut out = std::collections::BTreeMap::<String, Vec<String>>::new();
+    let mut table = String::new();
+    for line in text.lines() {
+        if let Some(t) = line.strip_prefix('*') {
+            table = t.to_string();
+        } else if line.contains("ISTIO") {
+            out.entry(table.clone()).or_default().push(line.to_string());
+        }
+    }
+    out
+}
+
 /// Holds an exclusive flock on `path` (created if missing) until dropped.
 fn hold_lock(path: &std::path::Path) -> nix::fcntl::Flock<std::fs::File> {
     let file = std::fs::OpenOptions::new()
@@ -475,4 +490,143 @@ fn scoped_locking_off_leaves_pods_on_the_node_lock() {
         Some(dir.path().to_owned()),
     );
     assert_eq!(nft.pod_lock_file(&pod.open()), None);
+}
+
+/// kube-proxy's part of a namespace: a service chain hooked into nat PREROUTING and OUTPUT,
+/// rewritten whole by `iptables-restore --noflush` as each sync does.
+const KUBE_SERVICES: &str = "*nat\n:KUBE-SERVICES - [0:0]\n\
+    -A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m tcp --dport 443 -j RETURN\n\
+    -A KUBE-SERVICES -d 10.96.0.10/32 -p udp -m udp --dport 53 -j RETURN\n\
+    -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m tcp --dport 53 -j RETURN\nCOMMIT\n";
+
+/// The writer's lasting rules as `-save` prints them: everything but its churn.
+fn kube_lines(save: &str) -> Vec<&str> {
+    save.lines()
+        .filter(|l| l.contains("KUBE-") && !l.contains("10.244."))
+        .collect()
+}
+
+/// Runs an iptables command in `ns` the way kube-proxy does: `-w`, and again after a failure (a
+/// concurrent legacy commit makes the kernel answer EAGAIN; kube-proxy's next sync retries).
+fn writer_cmd(ns: &str, tool: &str, args: &[&str], stdin: Option<&str>) {
+    use std::io::Write as _;
+    for attempt in 1..=20 {
+        let mut cmd = std::process::Command::new("ip");
+        cmd.args(["netns", "exec", ns, tool, "-w"]).args(args);
+        cmd.stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let mut pipe = child.stdin.take().unwrap();
+        if let Some(text) = stdin {
+            pipe.write_all(text.as_bytes()).unwrap();
+        }
+        drop(pipe);
+        let out = child.wait_with_output().unwrap();
+        if out.status.success() {
+            return;
+        }
+        assert!(
+            attempt < 20,
+            "{tool} {args:?} keeps failing: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn reapplying_under_concurrent_iptables_writers_stays_exact() {
+    dataplane::require_root!();
+    const CHURN: usize = 120;
+    let dns_on = InpodConfig::default();
+    let dns_off = InpodConfig {
+        redirect_dns: false,
+        ..Default::default()
+    };
+    for (variant, b) in backends() {
+        // Golden: each rule set as it reads in a namespace nobody else writes to.
+        let quiet = TestNetns::new("ipt-quiet");
+        let golden = |cfg: &InpodConfig| {
+            b.apply(&quiet.open(), cfg).unwrap();
+            let lines = istio_by_table(&save(&quiet, &b, false));
+            b.remove(&quiet.open(), cfg).unwrap();
+            lines
+        };
+        let (gold_on, gold_off) = (golden(&dns_on), golden(&dns_off));
+        assert_ne!(gold_on, gold_off);
+
+        let ns = TestNetns::new("ipt-churn");
+        let netns = ns.open();
+        let ipt = b.binaries().tool(false, "");
+        let restore = b.binaries().tool(false, "-restore");
+        writer_cmd(&ns.name, &restore, &["--noflush"], Some(KUBE_SERVICES));
+        for hook in ["PREROUTING", "OUTPUT"] {
+            writer_cmd(
+                &ns.name,
+                &ipt,
+                &["-t", "nat", "-I", hook, "1", "-j", "KUBE-SERVICES"],
+                None,
+            );
+        }
+        writer_cmd(&ns.name, &ipt, &["-t", "filter", "-N", "KUBE-FW"], None);
+        let kube_before: Vec<String> = kube_lines(&save(&ns, &b, false))
+            .into_iter()
+            .map(String::from)
+            .collect();
+        assert_eq!(kube_before.len(), 7, "{kube_before:?}");
+
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for i in 0..CHURN {
+                    let ip = format!("10.244.{}.{}/32", i / 200, i % 200 + 1);
+                    let rule = ["-d", ip.as_str(), "-p", "tcp", "-j", "RETURN"];
+                    let with = |op: &str, chain: &str, table: &str| {
+                        let mut a = vec!["-t", table, op, chain];
+                        a.extend_from_slice(&rule);
+                        writer_cmd(&ns.name, &ipt, &a, None);
+                    };
+                    with("-I", "KUBE-SERVICES", "nat");
+                    with("-A", "KUBE-FW", "filter");
+                    writer_cmd(&ns.name, &restore, &["--noflush"], Some(KUBE_SERVICES));
+                    with("-D", "KUBE-FW", "filter");
+                }
+                done.store(true, std::sync::atomic::Ordering::SeqCst);
+            });
+            let check = |want: &std::collections::BTreeMap<String, Vec<String>>, step: &str| {
+                let text = save(&ns, &b, false);
+                let ours = istio_by_table(&text);
+                assert_eq!(
+                    &ours, want,
+                    "{variant} {step}: our rules are not exact:\n{text}"
+                );
+                assert_eq!(
+                    kube_lines(&text),
+                    kube_before,
+                    "{variant} {step}: the other writer's rules changed:\n{text}"
+                );
+            };
+            let mut rounds = 0;
+            while rounds < 8 || !done.load(std::sync::atomic::Ordering::SeqCst) {
+                rounds += 1;
+                b.apply(&netns, &dns_on).unwrap();
+                check(&gold_on, "apply");
+                b.apply(&netns, &dns_on).unwrap();
+                check(&gold_on, "re-apply");
+                assert_eq!(b.verify(&netns, &dns_on).unwrap(), RuleState::InSync);
+                b.apply(&netns, &dns_off).unwrap();
+                check(&gold_off, "config change");
+                b.remove(&netns, &dns_off).unwrap();
+                check(&Default::default(), "remove");
+                assert!(rounds < 500, "{variant}: the writer never finished");
+            }
+            eprintln!("{variant}: {rounds} rounds against {CHURN} writer iterations");
+        });
+        let after = save(&ns, &b, false);
+        assert!(
+            !after.contains("10.244."),
+            "{variant}: churn left rules:\n{after}"
+        );
+    }
 }
