@@ -5,13 +5,12 @@
 //! that call).
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use cni_agent::testing::kube::KubeTestEnv;
-use cni_agent::testing::manifests::{self, NAMESPACE, SERVICE_ACCOUNT};
+use cni_agent::testing::manifests::{
+    self, NAMESPACE, SERVICE_ACCOUNT, render_chart as render, try_render_chart as try_render,
+};
 use cni_agent::testing::node::{Backend, Identity, TestNode};
 use cni_agent::testing::zds_peer::{PeerConfig, ZdsPeer};
 use futures::StreamExt;
@@ -27,48 +26,6 @@ mod fake_cluster;
 
 const MANIFESTS: [&str; 2] = ["istio-cni.yaml", "istio-cni-ambient.yaml"];
 const PLATFORMS: [&str; 7] = ["", "gke", "k3d", "k3s", "microk8s", "minikube", "openshift"];
-
-/// The helm binary built from its Go module (cached; built on first use).
-fn helm() -> &'static PathBuf {
-    static HELM: OnceLock<PathBuf> = OnceLock::new();
-    HELM.get_or_init(|| {
-        let script = manifests::repo_file("tools/helm/build.sh");
-        let out = Command::new(&script)
-            .stderr(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        assert!(out.status.success(), "{} failed", script.display());
-        PathBuf::from(
-            String::from_utf8(out.stdout)
-                .unwrap()
-                .lines()
-                .last()
-                .unwrap()
-                .trim(),
-        )
-    })
-}
-
-/// `helm template` of the chart with extra arguments: the objects, or helm's error output.
-fn try_render(args: &[&str]) -> Result<Vec<DynamicObject>, String> {
-    let out = Command::new(helm())
-        .args(["template", "istio-cni"])
-        .arg(manifests::repo_file("deploy/charts/istio-cni"))
-        .args(["--namespace", NAMESPACE])
-        .args(args)
-        .output()
-        .unwrap();
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    Ok(manifests::documents(
-        &String::from_utf8(out.stdout).unwrap(),
-    ))
-}
-
-fn render(args: &[&str]) -> Vec<DynamicObject> {
-    try_render(args).unwrap_or_else(|e| panic!("helm template {args:?}: {e}"))
-}
 
 /// OpenShift's Multus CRD, so the NetworkAttachmentDefinition the multus provider renders is
 /// checked against a schema too (Multus defines `spec.config` as a string).

@@ -46,8 +46,9 @@ pub fn helm() -> &'static Path {
     })
 }
 
-/// `helm template` of our chart into [`NAMESPACE`] with extra arguments (`-f`, `--set`).
-pub fn render_chart(args: &[&str]) -> Vec<DynamicObject> {
+/// `helm template` of our chart into [`NAMESPACE`] with extra arguments (`-f`, `--set`): the
+/// objects, or helm's error output.
+pub fn try_render_chart(args: &[&str]) -> Result<Vec<DynamicObject>, String> {
     let out = Command::new(helm())
         .args(["template", "istio-cni"])
         .arg(repo_file("deploy/charts/istio-cni"))
@@ -55,12 +56,17 @@ pub fn render_chart(args: &[&str]) -> Vec<DynamicObject> {
         .args(args)
         .output()
         .expect("run helm");
-    assert!(
-        out.status.success(),
-        "helm template {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    documents(&String::from_utf8(out.stdout).expect("helm prints YAML"))
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(documents(
+        &String::from_utf8(out.stdout).expect("helm prints YAML"),
+    ))
+}
+
+/// [`try_render_chart`], panicking with helm's error output.
+pub fn render_chart(args: &[&str]) -> Vec<DynamicObject> {
+    try_render_chart(args).unwrap_or_else(|e| panic!("helm template {args:?}: {e}"))
 }
 
 /// The documents of a multi-document YAML stream; empty documents are skipped.
