@@ -444,6 +444,39 @@ status:
         }
     }
 
+    /// Issue #15 as a user met it: the host's kubelet and kube-proxy use nft, some tool once
+    /// touched legacy (empty legacy tables). `inpod apply --backend iptables` run on that host
+    /// programs the pod in nft only.
+    #[test]
+    fn inpod_apply_on_an_nft_host_with_empty_legacy_tables_programs_nft() {
+        dataplane::require_root!();
+        let host = dataplane::test_support::TestNetns::new("cli-host");
+        host.exec("iptables-legacy", &["-t", "nat", "-N", "ONCE"]);
+        host.exec("iptables-legacy", &["-t", "nat", "-X", "ONCE"]);
+        host.exec(
+            "iptables-nft",
+            &["-t", "mangle", "-N", "KUBE-IPTABLES-HINT"],
+        );
+        let pod = dataplane::test_support::TestNetns::new("cli-pod");
+        let Target::Inpod(a) = parse(&[
+            "inpod",
+            "apply",
+            "--netns",
+            pod.path().to_str().unwrap(),
+            "--backend",
+            "iptables",
+        ])
+        .unwrap() else {
+            panic!()
+        };
+        let code = host.open().run(|| inpod(a).unwrap()).unwrap();
+        assert_eq!(code, ExitCode::SUCCESS);
+        let nft = pod.exec("iptables-nft-save", &[]);
+        assert!(nft.contains("-j ISTIO_OUTPUT"), "{nft}");
+        let legacy = pod.exec("iptables-legacy-save", &[]);
+        assert!(!legacy.contains("ISTIO"), "{legacy}");
+    }
+
     #[test]
     fn bad_bool_is_a_usage_error() {
         assert!(parse(&["inpod", "apply", "--netns", "/x", "--dns-capture=yes"]).is_err());
