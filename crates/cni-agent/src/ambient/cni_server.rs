@@ -228,13 +228,13 @@ mod tests {
             writer.upsert_pod(pod("apps", "other"));
             writer.upsert_pod(pod("apps", "web"));
         });
-        let started = Instant::now();
+        // The API server here can never answer, so success means the wait was woken by the
+        // update (a wait that ran out asks the API server and fails). No elapsed-time check:
+        // on a loaded machine the wake-up itself can land after the deadline.
         let (found, _) = find_pod(&cache, &unreachable_api(), "apps", "web")
             .await
             .unwrap();
         assert_eq!(found.metadata.name.as_deref(), Some("web"));
-        // Woken by the update, not by the end of the wait.
-        assert!(started.elapsed() < CACHE_WAIT, "{:?}", started.elapsed());
     }
 
     #[tokio::test]

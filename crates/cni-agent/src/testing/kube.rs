@@ -76,7 +76,24 @@ fn spawn(cmd: &mut Command, log: &Path) -> Child {
 
 impl KubeTestEnv {
     /// Starts etcd and kube-apiserver and waits until the API server reports ready.
+    ///
+    /// Ports are picked free and then handed to the processes, so another process on the
+    /// machine can take one in between: that start is retried on fresh ports.
     pub async fn start() -> Self {
+        const ATTEMPTS: usize = 3;
+        for attempt in 1.. {
+            match Self::try_start().await {
+                Ok(env) => return env,
+                Err(e) if attempt < ATTEMPTS && e.contains("address already in use") => {
+                    eprintln!("kube-testenv: a port was taken before use, retrying: {e}");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        unreachable!("the loop returns or panics")
+    }
+
+    async fn try_start() -> Result<Self, String> {
         let bin = binaries_dir();
         let dir = tempfile::Builder::new()
             .prefix("kube-testenv")
@@ -159,11 +176,11 @@ impl KubeTestEnv {
                 .arg("--enable-priority-and-fairness=false"),
             &d.join("kube-apiserver.log"),
         ));
-        env.wait_ready().await;
-        env
+        env.wait_ready().await?;
+        Ok(env)
     }
 
-    async fn wait_ready(&mut self) {
+    async fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(90);
         let client = self.client();
         loop {
@@ -177,16 +194,16 @@ impl KubeTestEnv {
                     let text =
                         std::fs::read_to_string(self.dir.path().join(log)).unwrap_or_default();
                     let tail: String = text.lines().rev().take(30).collect::<Vec<_>>().join("\n");
-                    panic!(
+                    return Err(format!(
                         "{log} process exited with {status}; last lines (newest first):\n{tail}"
-                    );
+                    ));
                 }
             }
             let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
             if let Ok(body) = client.request_text(req).await
                 && body.trim() == "ok"
             {
-                return;
+                return Ok(());
             }
             assert!(
                 Instant::now() < deadline,
