@@ -98,6 +98,10 @@ pub struct Request<'a> {
     pub body: &'a [u8],
 }
 
+/// `<binary>/<version>`, the form of Istio's `IstioUserAgent`, so API server audit logs tell the
+/// plugin's fallback lookups apart from other clients.
+pub const USER_AGENT: &str = concat!("istio-cni/", env!("CARGO_PKG_VERSION"));
+
 /// Sends `req` and reads the whole response (body capped at `max_body` bytes).
 pub fn exchange<S: Read + Write>(
     stream: &mut S,
@@ -105,7 +109,7 @@ pub fn exchange<S: Read + Write>(
     max_body: usize,
 ) -> Result<Response, HttpError> {
     let mut head = format!(
-        "{} {} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nUser-Agent: istio-cni\r\n",
+        "{} {} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nUser-Agent: {USER_AGENT}\r\n",
         req.method, req.path, req.host
     );
     for (k, v) in req.headers {
@@ -314,8 +318,11 @@ mod tests {
         let (_, sent) = run("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", 10);
         assert_eq!(
             sent,
-            "POST /v1/cmdadd HTTP/1.1\r\nHost: unix\r\nConnection: close\r\nUser-Agent: istio-cni\r\n\
-             Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+            format!(
+                "POST /v1/cmdadd HTTP/1.1\r\nHost: unix\r\nConnection: close\r\nUser-Agent: istio-cni/{}\r\n\
+                 Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}",
+                env!("CARGO_PKG_VERSION")
+            )
         );
     }
 

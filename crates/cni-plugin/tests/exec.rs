@@ -281,6 +281,14 @@ fn ambient_disabled_passes_without_contacting_the_agent() {
         PREV
     );
     assert!(a.requests().is_empty());
+    // The lookup identifies itself as Istio's clients do: `<binary>/<version>`.
+    let ua = format!("istio-cni/{}", env!("CARGO_PKG_VERSION"));
+    let reqs = api.requests();
+    assert!(!reqs.is_empty());
+    assert!(
+        reqs.iter()
+            .all(|r| r.header("user-agent") == Some(ua.as_str()))
+    );
 }
 
 #[test]
