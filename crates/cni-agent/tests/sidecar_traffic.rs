@@ -9,6 +9,10 @@
 //! the peer; inbound TCP from the peer reaches the proxy on 15006; excluded outbound ports and
 //! ranges, the excluded inbound port 15020 and the app's loopback traffic bypass the proxy.
 //!
+//! A pod with `hostUsers: false` (its netns owned by a user namespace mapping UIDs 0-65535 to
+//! host 100000-165535) gets the same rules: the proxy there runs as the mapped 1337 (host
+//! 101337) and must be the one excluded from capture, while the app is redirected.
+//!
 //! `harness = false`: `main` is either the test driver or, with `SIDECAR_TRAFFIC_PROXY` set, the
 //! proxy process itself.
 
@@ -42,6 +46,8 @@ fn main() {
     for backend in ["iptables", "nftables"] {
         eprintln!("sidecar_traffic: {backend}");
         scenario(backend);
+        eprintln!("sidecar_traffic: {backend}, pod with hostUsers: false");
+        userns_scenario(backend);
     }
     eprintln!("sidecar_traffic: ok");
 }
@@ -293,4 +299,158 @@ fn scenario(backend: &str) {
         "{backend}: captured again with the default groups"
     );
     rules.remove(&pod.open(), &config()).unwrap();
+}
+
+// ---- a pod with hostUsers: false --------------------------------------------------------------
+
+/// Host UID (and GID) the pod's user namespace maps its UID 0 to, as the kubelet would.
+const USERNS_BASE: u32 = 100_000;
+
+/// The sandbox of a user-namespaced pod: a process in a new user and network namespace, its
+/// UIDs and GIDs 0-65535 mapped to the host's from [`USERNS_BASE`].
+struct UsernsPod(Child);
+
+impl UsernsPod {
+    fn new() -> Self {
+        let child = Command::new("unshare")
+            .args(["--user", "--net", "--", "sleep", "infinity"])
+            .spawn()
+            .expect("unshare");
+        let pod = UsernsPod(child);
+        // The namespaces exist once unshare has exec'd sleep; then host root writes the maps.
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        while std::fs::read_to_string(format!("/proc/{}/comm", pod.0.id()))
+            .is_ok_and(|c| c.trim() != "sleep")
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "user namespace not ready"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for map in ["uid_map", "gid_map"] {
+            std::fs::write(
+                format!("/proc/{}/{map}", pod.0.id()),
+                format!("0 {USERNS_BASE} 65536\n"),
+            )
+            .unwrap_or_else(|e| panic!("{map}: {e}"));
+        }
+        pod
+    }
+
+    fn ns(&self, kind: &str) -> String {
+        format!("/proc/{}/ns/{kind}", self.0.id())
+    }
+
+    fn netns(&self) -> dataplane::netns::Netns {
+        dataplane::netns::Netns::open(self.ns("net")).unwrap()
+    }
+
+    /// Runs a host tool in the pod's network namespace (as host root).
+    fn exec(&self, program: &str, args: &[&str]) -> String {
+        let net = format!("--net={}", self.ns("net"));
+        run("nsenter", &[&[net.as_str(), "--", program], args].concat())
+    }
+
+    /// The test proxy as the pod's own UID 1337.
+    fn start_proxy(&self) -> Proxy {
+        let exe = std::env::current_exe().unwrap();
+        let mut child = Command::new("nsenter")
+            .arg(format!("--user={}", self.ns("user")))
+            .arg(format!("--net={}", self.ns("net")))
+            .args([
+                "--",
+                "setpriv",
+                "--reuid=1337",
+                "--regid=1337",
+                "--clear-groups",
+                "--",
+            ])
+            .arg(exe)
+            .env(PROXY_ENV, "1")
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn proxy");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready", "proxy did not start");
+        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+        let host_uid = USERNS_BASE + 1337;
+        assert!(
+            status
+                .lines()
+                .any(|l| l.starts_with("Uid:") && l.contains(&host_uid.to_string())),
+            "proxy is not host UID {host_uid}: {status}"
+        );
+        Proxy(child)
+    }
+}
+
+impl Drop for UsernsPod {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn fetch_from(ns: &dataplane::netns::Netns, ip: &str, port: u16) -> String {
+    let addr = SocketAddr::new(ip.parse::<IpAddr>().unwrap(), port);
+    ns.run(move || TcpStream::connect_timeout(&addr, TIMEOUT).map(read_line))
+        .unwrap()
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"))
+}
+
+fn userns_scenario(backend: &str) {
+    let pod = UsernsPod::new();
+    let peer = TestNetns::new("sct-upeer");
+    let tag = format!("scu{}{}", std::process::id() % 100_000, &backend[..1]);
+    let (a, b) = (format!("{tag}a"), format!("{tag}b"));
+    run(
+        "ip",
+        &["link", "add", &a, "type", "veth", "peer", "name", &b],
+    );
+    run("ip", &["link", "set", &a, "netns", &pod.0.id().to_string()]);
+    run("ip", &["link", "set", &b, "netns", &peer.name]);
+    pod.exec("ip", &["link", "set", "lo", "up"]);
+    pod.exec("ip", &["addr", "add", &format!("{POD_IP}/24"), "dev", &a]);
+    pod.exec("ip", &["link", "set", &a, "up"]);
+    pod.exec("ip", &["route", "add", "default", "via", PEER_IP]);
+    peer.exec("ip", &["addr", "add", &format!("{PEER_IP}/24"), "dev", &b]);
+    peer.exec("ip", &["link", "set", &b, "up"]);
+    serve(&peer, &format!("{PEER_IP}:{PEER_PORT}"), "peer");
+
+    let cfg = config();
+    let rules = SidecarBackend::new(backend, None, false).unwrap();
+    rules
+        .apply(&pod.netns(), &cfg)
+        .unwrap_or_else(|e| panic!("{backend}: rules in a user-namespaced pod: {e}"));
+    assert!(
+        matches!(
+            rules.verify(&pod.netns(), &cfg).unwrap(),
+            dataplane::inpod::RuleState::InSync
+        ),
+        "{backend}: rules read back differently"
+    );
+    let _proxy = pod.start_proxy();
+
+    // Host root (unmapped in the pod) is redirected; the pod's 1337 is not, or its upstream
+    // connection would loop back into 15001 instead of greeting from the peer.
+    assert_eq!(
+        fetch_from(&pod.netns(), PEER_IP, PEER_PORT),
+        format!("proxy-outbound dst={PEER_IP}:{PEER_PORT} upstream=[peer]"),
+        "{backend}: outbound of a user-namespaced pod"
+    );
+    assert_eq!(
+        fetch(&peer, POD_IP, APP_PORT),
+        format!("proxy-inbound uid=1337 dst={POD_IP}:{APP_PORT}"),
+        "{backend}: inbound of a user-namespaced pod"
+    );
+    rules.remove(&pod.netns(), &cfg).unwrap();
+    assert_eq!(
+        fetch_from(&pod.netns(), PEER_IP, PEER_PORT),
+        "peer",
+        "{backend}: removed from a user-namespaced pod"
+    );
 }

@@ -49,12 +49,15 @@ thread_local! {
 pub struct Netns {
     fd: OwnedFd,
     id: NetnsId,
+    /// Tools started by [`command`](Self::command) join the owning user namespace too.
+    in_owner_userns: bool,
 }
 
 // From <linux/magic.h> and <linux/nsfs.h>.
 const NSFS_MAGIC: u64 = 0x6e73_6673;
 const PROC_SUPER_MAGIC: u64 = 0x9fa0;
 const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
+const NS_GET_USERNS: libc::c_ulong = 0xb701;
 
 impl Netns {
     /// Opens `path` and checks that it really is a network namespace (nsfs or a `/proc/<pid>/ns/net`
@@ -94,6 +97,7 @@ impl Netns {
                 ino: meta.ino(),
             },
             fd: file.into(),
+            in_owner_userns: false,
         })
     }
 
@@ -110,6 +114,7 @@ impl Netns {
         Ok(Netns {
             fd: self.fd.try_clone()?,
             id: self.id,
+            in_owner_userns: self.in_owner_userns,
         })
     }
 
@@ -143,6 +148,59 @@ impl Netns {
                     .unwrap_or_else(|| "panicked".to_string());
                 NetnsError::Thread(msg)
             })?
+        })
+    }
+
+    /// The user namespace that owns this network namespace, when it is not the caller's (a pod
+    /// with `hostUsers: false`).
+    pub fn foreign_owner(&self) -> io::Result<Option<OwnedFd>> {
+        // SAFETY: NS_GET_USERNS takes no argument and returns a new fd or -1.
+        let raw = unsafe { libc::ioctl(self.fd.as_raw_fd(), NS_GET_USERNS as _) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the ioctl just returned this fd, owned by nobody else.
+        let owner = File::from(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) });
+        let (theirs, ours) = (owner.metadata()?, std::fs::metadata("/proc/self/ns/user")?);
+        Ok(((theirs.dev(), theirs.ino()) != (ours.dev(), ours.ino())).then(|| owner.into()))
+    }
+
+    /// The same namespace, whose [`command`](Self::command)s also join the user namespace that
+    /// owns it when that is not the caller's (a pod with `hostUsers: false`): the kernel only
+    /// accepts iptables owner matches (`-m owner --uid-owner`) from a writer in the network
+    /// namespace's own user namespace, whose UIDs they name. Istio runs its tools the same way,
+    /// through `nsenter`. nftables' `meta skuid` needs nothing of the kind: the kernel reads a
+    /// socket's UID in the socket's network namespace's user namespace.
+    pub fn for_owner_matches(&self) -> io::Result<Netns> {
+        let mut ns = self.try_clone()?;
+        ns.in_owner_userns = true;
+        Ok(ns)
+    }
+
+    /// A command running `program` in this namespace once [`spawn`](Self::spawn)ed, through
+    /// `nsenter` into the owning user namespace for a handle from
+    /// [`for_owner_matches`](Self::for_owner_matches) of a user-namespaced pod.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> io::Result<NsCommand> {
+        let owner = if self.in_owner_userns {
+            self.foreign_owner()?
+        } else {
+            None
+        };
+        let Some(owner) = owner else {
+            return Ok(NsCommand {
+                cmd: Command::new(program),
+                _owner: None,
+            });
+        };
+        let fd_path = |fd: i32| format!("/proc/{}/fd/{fd}", std::process::id());
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--user={}", fd_path(owner.as_raw_fd())))
+            .arg(format!("--net={}", fd_path(self.fd.as_raw_fd())))
+            .arg("--")
+            .arg(program);
+        Ok(NsCommand {
+            cmd,
+            _owner: Some(owner),
         })
     }
 
@@ -188,6 +246,27 @@ pub enum SpawnError {
     Isolate(io::Error),
     #[error(transparent)]
     Spawn(io::Error),
+}
+
+/// A [`Command`] from [`Netns::command`], holding open what `nsenter` opens by path until the
+/// command is dropped (after its child has been waited for).
+#[derive(Debug)]
+pub struct NsCommand {
+    cmd: Command,
+    _owner: Option<OwnedFd>,
+}
+
+impl std::ops::Deref for NsCommand {
+    type Target = Command;
+    fn deref(&self) -> &Command {
+        &self.cmd
+    }
+}
+
+impl std::ops::DerefMut for NsCommand {
+    fn deref_mut(&mut self) -> &mut Command {
+        &mut self.cmd
+    }
 }
 
 impl AsFd for Netns {

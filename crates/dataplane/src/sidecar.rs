@@ -35,6 +35,8 @@ pub enum SidecarError {
     Iptables(#[from] IptablesError),
     #[error("nftables: {0}")]
     Nftables(#[from] NftError),
+    #[error("cannot reopen the pod's network namespace: {0}")]
+    Reopen(std::io::Error),
     #[error("TPROXY policy routing: {0}")]
     Routes(#[from] RouteError),
     #[error("{first}; removing the partial state also failed: {cleanup}")]
@@ -105,7 +107,7 @@ impl SidecarBackend {
     fn apply_rules(&self, netns: &Netns, cfg: &SidecarConfig) -> Result<(), SidecarError> {
         match self {
             SidecarBackend::Iptables(b) => {
-                b.converge_pod(netns, rules_for(cfg))?;
+                b.converge_pod(&owner_matches(netns)?, rules_for(cfg))?;
             }
             SidecarBackend::Nftables(_) => {
                 let desired = sidecar_nft::ruleset(cfg);
@@ -141,7 +143,9 @@ impl SidecarBackend {
     /// The rules compared with what `apply` programs (routes are checked by `apply` itself).
     pub fn verify(&self, netns: &Netns, cfg: &SidecarConfig) -> Result<RuleState, SidecarError> {
         match self {
-            SidecarBackend::Iptables(b) => Ok(b.verify_pod(netns, rules_for(cfg))?),
+            SidecarBackend::Iptables(b) => {
+                Ok(b.verify_pod(&owner_matches(netns)?, rules_for(cfg))?)
+            }
             SidecarBackend::Nftables(_) => {
                 let actual = crate::nft::with_socket(netns, |sock| {
                     wire::read_tables(sock, &sidecar_nft::TABLES)
@@ -166,7 +170,7 @@ impl SidecarBackend {
     /// Removes our chains/tables (and the builtin-chain rules `cfg` adds) and the TPROXY routing.
     pub fn remove(&self, netns: &Netns, cfg: &SidecarConfig) -> Result<(), SidecarError> {
         match self {
-            SidecarBackend::Iptables(b) => b.remove_pod(netns, rules_for(cfg))?,
+            SidecarBackend::Iptables(b) => b.remove_pod(&owner_matches(netns)?, rules_for(cfg))?,
             SidecarBackend::Nftables(b) => {
                 let mut batch = wire::Batch::default();
                 for name in sidecar_nft::TABLES {
@@ -178,6 +182,12 @@ impl SidecarBackend {
         routes::remove_policy(netns, &TPROXY_POLICY)?;
         Ok(())
     }
+}
+
+/// The sidecar rules match the proxy by UID and GID: in a user-namespaced pod the iptables tools
+/// must run in the pod's user namespace (see [`Netns::for_owner_matches`]).
+fn owner_matches(netns: &Netns) -> Result<Netns, SidecarError> {
+    netns.for_owner_matches().map_err(SidecarError::Reopen)
 }
 
 /// What `apply` programs with the nftables (`nftables`) or iptables backend, as text; needs no

@@ -4,7 +4,7 @@
 
 use std::io::Write as _;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use super::detect::Binaries;
 use super::sandbox;
@@ -65,7 +65,11 @@ impl Runner<'_> {
         stdin: Option<&str>,
     ) -> Result<String, ExecError> {
         let binary = self.bins.tool(v6, tool);
-        let mut cmd = Command::new(&binary);
+        let spawn_err = |source| ExecError::Spawn {
+            binary: binary.clone(),
+            source,
+        };
+        let mut cmd = self.netns.command(&binary).map_err(spawn_err)?;
         // Writers take the xtables lock; save never does.
         let locks = tool != "-save" && self.bins.wants_wait();
         if locks {
@@ -87,10 +91,6 @@ impl Runner<'_> {
             Stdio::null()
         });
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        let spawn_err = |source| ExecError::Spawn {
-            binary: binary.clone(),
-            source,
-        };
         let mut child = sandbox::spawn(self.netns, &mut cmd, bind_lock).map_err(spawn_err)?;
         if let Some(input) = stdin {
             let mut pipe = child.stdin.take().expect("stdin piped");
