@@ -46,8 +46,14 @@ fn main() {
     for backend in ["iptables", "nftables"] {
         eprintln!("sidecar_traffic: {backend}");
         scenario(backend);
-        eprintln!("sidecar_traffic: {backend}, pod with hostUsers: false");
-        userns_scenario(backend);
+    }
+    for (backend, variant) in [
+        ("iptables", Some("nft")),
+        ("iptables", Some("legacy")),
+        ("nftables", None),
+    ] {
+        eprintln!("sidecar_traffic: {backend} {variant:?}, pod with hostUsers: false");
+        userns_scenario(backend, variant);
     }
     eprintln!("sidecar_traffic: ok");
 }
@@ -306,40 +312,53 @@ fn scenario(backend: &str) {
 /// Host UID (and GID) the pod's user namespace maps its UID 0 to, as the kubelet would.
 const USERNS_BASE: u32 = 100_000;
 
-/// The sandbox of a user-namespaced pod: a process in a new user and network namespace, its
-/// UIDs and GIDs 0-65535 mapped to the host's from [`USERNS_BASE`].
-struct UsernsPod(Child);
+/// The sandbox of a user-namespaced pod, made in the runtime's order: a user namespace whose
+/// UIDs and GIDs 0-65535 map to the host's from [`USERNS_BASE`], then, from inside it, the pod's
+/// network namespace (so that namespace's root is the mapped one). Each is held by a process.
+struct UsernsPod {
+    user: Child,
+    net: Child,
+}
+
+/// Waits until `child` runs `sleep` (so its namespaces exist).
+fn wait_for_sleep(child: &Child) {
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while std::fs::read_to_string(format!("/proc/{}/comm", child.id()))
+        .is_ok_and(|c| c.trim() != "sleep")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "namespace holder not ready"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
 
 impl UsernsPod {
     fn new() -> Self {
-        let child = Command::new("unshare")
-            .args(["--user", "--net", "--", "sleep", "infinity"])
+        let user = Command::new("unshare")
+            .args(["--user", "--", "sleep", "infinity"])
             .spawn()
-            .expect("unshare");
-        let pod = UsernsPod(child);
-        // The namespaces exist once unshare has exec'd sleep; then host root writes the maps.
-        let deadline = std::time::Instant::now() + TIMEOUT;
-        while std::fs::read_to_string(format!("/proc/{}/comm", pod.0.id()))
-            .is_ok_and(|c| c.trim() != "sleep")
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "user namespace not ready"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+            .expect("unshare --user");
+        wait_for_sleep(&user);
         for map in ["uid_map", "gid_map"] {
             std::fs::write(
-                format!("/proc/{}/{map}", pod.0.id()),
+                format!("/proc/{}/{map}", user.id()),
                 format!("0 {USERNS_BASE} 65536\n"),
             )
             .unwrap_or_else(|e| panic!("{map}: {e}"));
         }
-        pod
+        let net = Command::new("nsenter")
+            .arg(format!("--user=/proc/{}/ns/user", user.id()))
+            .args(["--", "unshare", "--net", "--", "sleep", "infinity"])
+            .spawn()
+            .expect("unshare --net in the user namespace");
+        wait_for_sleep(&net);
+        UsernsPod { user, net }
     }
 
     fn ns(&self, kind: &str) -> String {
-        format!("/proc/{}/ns/{kind}", self.0.id())
+        format!("/proc/{}/ns/{kind}", self.net.id())
     }
 
     fn netns(&self) -> dataplane::netns::Netns {
@@ -390,8 +409,10 @@ impl UsernsPod {
 
 impl Drop for UsernsPod {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        for holder in [&mut self.net, &mut self.user] {
+            let _ = holder.kill();
+            let _ = holder.wait();
+        }
     }
 }
 
@@ -402,16 +423,28 @@ fn fetch_from(ns: &dataplane::netns::Netns, ip: &str, port: u16) -> String {
         .unwrap_or_else(|e| panic!("connect {addr}: {e}"))
 }
 
-fn userns_scenario(backend: &str) {
+/// `variant`: the iptables one (`FORCE_IPTABLES_BINARY`).
+fn userns_scenario(backend: &str, variant: Option<&str>) {
     let pod = UsernsPod::new();
     let peer = TestNetns::new("sct-upeer");
-    let tag = format!("scu{}{}", std::process::id() % 100_000, &backend[..1]);
+    let tag = format!(
+        "scu{}{}",
+        std::process::id() % 100_000,
+        match variant {
+            Some("legacy") => "l",
+            Some(_) => "f",
+            None => "n",
+        }
+    );
     let (a, b) = (format!("{tag}a"), format!("{tag}b"));
     run(
         "ip",
         &["link", "add", &a, "type", "veth", "peer", "name", &b],
     );
-    run("ip", &["link", "set", &a, "netns", &pod.0.id().to_string()]);
+    run(
+        "ip",
+        &["link", "set", &a, "netns", &pod.net.id().to_string()],
+    );
     run("ip", &["link", "set", &b, "netns", &peer.name]);
     pod.exec("ip", &["link", "set", "lo", "up"]);
     pod.exec("ip", &["addr", "add", &format!("{POD_IP}/24"), "dev", &a]);
@@ -422,7 +455,7 @@ fn userns_scenario(backend: &str) {
     serve(&peer, &format!("{PEER_IP}:{PEER_PORT}"), "peer");
 
     let cfg = config();
-    let rules = SidecarBackend::new(backend, None, false).unwrap();
+    let rules = SidecarBackend::new(backend, variant, false).unwrap();
     rules
         .apply(&pod.netns(), &cfg)
         .unwrap_or_else(|e| panic!("{backend}: rules in a user-namespaced pod: {e}"));

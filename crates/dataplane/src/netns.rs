@@ -51,6 +51,8 @@ pub struct Netns {
     id: NetnsId,
     /// Tools started by [`command`](Self::command) join the owning user namespace too.
     in_owner_userns: bool,
+    /// Where it was opened: a file the pod's own root can open (the iptables lock there).
+    path: Option<PathBuf>,
 }
 
 // From <linux/magic.h> and <linux/nsfs.h>.
@@ -98,6 +100,7 @@ impl Netns {
             },
             fd: file.into(),
             in_owner_userns: false,
+            path: Some(path.to_owned()),
         })
     }
 
@@ -115,6 +118,7 @@ impl Netns {
             fd: self.fd.try_clone()?,
             id: self.id,
             in_owner_userns: self.in_owner_userns,
+            path: self.path.clone(),
         })
     }
 
@@ -196,8 +200,15 @@ impl Netns {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--user={}", fd_path(owner.as_raw_fd())))
             .arg(format!("--net={}", fd_path(self.fd.as_raw_fd())))
-            .arg("--")
-            .arg(program);
+            .arg("--");
+        // The pod's root is not the host's: the agent's lock directory is closed to it, so legacy
+        // iptables locks the namespace file itself, as Istio's always does.
+        if let Some(path) = &self.path {
+            let mut lock = std::ffi::OsString::from("XTABLES_LOCKFILE=");
+            lock.push(path);
+            cmd.arg("env").arg(lock);
+        }
+        cmd.arg(program);
         Ok(NsCommand {
             cmd,
             _owner: Some(owner),
