@@ -18,6 +18,8 @@ use crate::procfs::{HostNetns, NetnsOpener};
 #[derive(Clone)]
 pub struct NetnsHints {
     dir: PathBuf,
+    /// When this agent started: hints written since are its own.
+    since: std::time::SystemTime,
 }
 
 /// Pod UIDs become file names: anything but `[A-Za-z0-9-]` is refused.
@@ -31,6 +33,8 @@ impl NetnsHints {
     pub fn new(run_dir: &Path) -> Self {
         NetnsHints {
             dir: run_dir.join("netns"),
+            // File times come from the kernel's coarse clock, up to a tick behind ours.
+            since: std::time::SystemTime::now() - std::time::Duration::from_millis(50),
         }
     }
 
@@ -40,17 +44,42 @@ impl NetnsHints {
             return;
         }
         use std::os::unix::fs::DirBuilderExt;
+        let tmp = self.dir.join(format!(".{uid}.tmp"));
         let result = std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(&self.dir)
             .and_then(|()| {
-                let tmp = self.dir.join(format!(".{uid}.tmp"));
                 std::fs::write(&tmp, netns_path)?;
-                std::fs::rename(tmp, self.dir.join(uid))
+                std::fs::rename(&tmp, self.dir.join(uid))
             });
         if let Err(e) = result {
+            // A full run dir fails the write after creating the file: nothing may stay behind.
+            let _ = std::fs::remove_file(&tmp);
             tracing::warn!(uid, error = %e, "cannot record netns hint");
+        }
+    }
+
+    /// Deletes the hints of pods that are gone (deleted while no agent was running to see it)
+    /// and half-written leftovers: every file not named after a UID in `pods`, unless this agent
+    /// wrote it (for a pod the caller may not know yet).
+    pub fn retain(&self, pods: &std::collections::HashSet<String>) {
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if pods.contains(name.as_ref()) {
+                continue;
+            }
+            let fresh = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t > self.since);
+            if !fresh && std::fs::remove_file(entry.path()).is_ok() {
+                tracing::info!(file = %name, "removed the netns hint of a pod that is gone");
+            }
         }
     }
 
@@ -106,6 +135,45 @@ mod tests {
             assert!(!valid_uid(bad), "{bad:?}");
         }
         assert!(valid_uid("863b91d4-4b68-4efa-917f-4b560e3e86aa"));
+    }
+
+    #[test]
+    fn a_failed_write_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let hints = NetnsHints::new(dir.path());
+        hints.record("uid-1", "/proc/self/ns/net");
+        // A directory in the hint's place fails the rename after the temp file was written,
+        // as a full run dir fails the write after the file was created.
+        std::fs::create_dir(dir.path().join("netns/uid-2")).unwrap();
+        hints.record("uid-2", "/proc/self/ns/net");
+        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("netns"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["uid-1", "uid-2"], "a temp file was left behind");
+    }
+
+    #[test]
+    fn retain_drops_gone_pods_and_leftovers_but_not_fresh_hints() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = NetnsHints::new(dir.path());
+        for uid in ["live", "gone"] {
+            before.record(uid, "/proc/self/ns/net");
+        }
+        std::fs::write(dir.path().join("netns/.half.tmp"), "/proc/").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // The next agent: what it writes itself stays, even for a pod not in its list.
+        let hints = NetnsHints::new(dir.path());
+        hints.record("fresh", "/proc/self/ns/net");
+        let live = std::collections::HashSet::from(["live".to_string()]);
+        hints.retain(&live);
+        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("netns"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["fresh", "live"]);
     }
 
     #[test]

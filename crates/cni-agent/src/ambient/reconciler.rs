@@ -71,6 +71,9 @@ impl Reconciler {
                     synced = true;
                     let pods: Vec<Arc<Pod>> =
                         self.cache.read().unwrap().pods.values().cloned().collect();
+                    // Pods deleted while no agent ran were never seen going.
+                    let uids = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
+                    self.mesh.hints.retain(&uids);
                     let enrolled: Vec<Arc<Pod>> = pods
                         .iter()
                         .filter(|p| {
