@@ -30,7 +30,14 @@ pub const ISTIO_RATE_LIMIT: RateLimit = RateLimit {
 /// A client for `config` with our User-Agent and `limit`. The limit is a window of `burst`
 /// requests per `burst / qps` seconds: the same average and the same largest burst as client-go's
 /// token bucket.
+///
+/// kube's default retry layer is off: it retries 429, 503 and 504 up to 15 times with a backoff
+/// growing to minutes, so after a burst of those a watch, an annotation or a CNI ADD's pod lookup
+/// slept for minutes after the API server had recovered, holding the reconciler's queue (the
+/// churn harness saw deletes unprocessed for over a minute). Every caller retries on its own
+/// terms instead: the watches with their backoff, the reconciler per pod, the runtime its ADD.
 pub fn build(mut config: kube::Config, limit: RateLimit) -> Result<kube::Client, kube::Error> {
+    config.default_retry = false;
     config
         .headers
         .push((USER_AGENT, HeaderValue::from_static(AGENT_USER_AGENT)));
@@ -107,6 +114,35 @@ mod tests {
             .find_map(|l| l.strip_prefix("user-agent: "))
             .unwrap_or_else(|| panic!("no user-agent in {:?}", heads[0].1));
         assert_eq!(ua, format!("install-cni/{}", env!("CARGO_PKG_VERSION")));
+    }
+
+    #[tokio::test]
+    async fn a_429_is_returned_at_once_not_retried_by_the_client() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let count = Arc::new(Mutex::new(0));
+        let seen = count.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                *seen.lock().unwrap() += 1;
+                let body = r#"{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"TooManyRequests","code":429}"#;
+                let resp = format!(
+                    "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+            }
+        });
+        let client = build(kube::Config::new(url.parse().unwrap()), ISTIO_RATE_LIMIT).unwrap();
+        let pods = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client, "default");
+        let got = tokio::time::timeout(Duration::from_secs(3), pods.get("p")).await;
+        match got {
+            Ok(Err(kube::Error::Api(e))) => assert_eq!(e.code, 429),
+            other => panic!("want the 429 at once, got {other:?}"),
+        }
+        assert_eq!(*count.lock().unwrap(), 1);
     }
 
     #[tokio::test]
