@@ -65,6 +65,13 @@ impl Cluster {
         old
     }
 
+    /// Caches a pod read from the API server unless the watch already delivered one; returns
+    /// the cached pod.
+    pub fn insert_if_absent(&self, pod: Arc<Pod>) -> Arc<Pod> {
+        let mut c = self.state.write().unwrap();
+        c.pods.entry(pod_key(&pod)).or_insert(pod).clone()
+    }
+
     /// Sets a namespace's labels; returns the previous ones.
     pub fn upsert_namespace(&self, name: String, labels: Labels) -> Option<Labels> {
         let old = self.state.write().unwrap().namespaces.insert(name, labels);

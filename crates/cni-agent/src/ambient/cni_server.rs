@@ -78,7 +78,13 @@ async fn find_pod(
         .await
         .map_err(|e| format!("failed to get namespace {namespace}: {e}"))?
         .ok_or_else(|| format!("failed to get namespace {namespace}: not found"))?;
-    Ok((Arc::new(pod), labels))
+    // Into the cache unless the watch got there first: a pod the watch never delivered (it was
+    // down) and that is deleted before it recovers would otherwise be missing from both the
+    // cache and the relist, and its removal from the mesh would never happen.
+    let mut pod = pod;
+    super::cluster::trim_pod(&mut pod);
+    let pod = cache.insert_if_absent(Arc::new(pod));
+    Ok((pod, labels))
 }
 
 impl CniServer {
@@ -235,6 +241,53 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(found.metadata.name.as_deref(), Some("web"));
+    }
+
+    /// An API server answering the pod and namespace reads of [`find_pod`] for `apps/web`.
+    fn api_with_pod() -> Annotator {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut c) = conn else { return };
+                let mut buf = [0u8; 4096];
+                let n = c.read(&mut buf).unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]);
+                let body = if head.starts_with("GET /api/v1/namespaces/apps/pods/web") {
+                    r#"{"apiVersion":"v1","kind":"Pod","metadata":{"namespace":"apps","name":"web","uid":"u1"}}"#
+                } else {
+                    r#"{"apiVersion":"meta.k8s.io/v1","kind":"PartialObjectMetadata","metadata":{"name":"apps"}}"#
+                };
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        let cfg = kube::Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        Annotator::new(kube::Client::try_from(cfg).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_pod_read_from_the_api_server_is_cached_for_the_watch_to_reconcile() {
+        let cache = Arc::new(Cluster::default());
+        let (found, _) = find_pod(&cache, &api_with_pod(), "apps", "web")
+            .await
+            .unwrap();
+        assert_eq!(found.metadata.uid.as_deref(), Some("u1"));
+        // Now in the cache: a relist that lacks it reports it deleted.
+        let key = ("apps".to_string(), "web".to_string());
+        assert!(cache.read().unwrap().pods.contains_key(&key));
+
+        // A version the watch delivered meanwhile is not replaced by the read.
+        let cache = Arc::new(Cluster::default());
+        let mut newer = (*pod("apps", "web")).clone();
+        newer.metadata.uid = Some("from-watch".into());
+        cache.upsert_pod(Arc::new(newer));
+        let got = cache.insert_if_absent(pod("apps", "web"));
+        assert_eq!(got.metadata.uid.as_deref(), Some("from-watch"));
     }
 
     #[tokio::test]
