@@ -342,6 +342,7 @@ async fn start_ambient(
         hints: crate::ambient::hints::NetnsHints::new(run_dir),
         metrics: metrics.clone(),
         locks: Default::default(),
+        probe_ips: Default::default(),
     });
     let policy = Arc::new(Policy {
         selectors: cfg.selectors.clone(),

@@ -124,6 +124,33 @@ pub struct Mesh {
     pub metrics: Metrics,
     /// One operation per pod at a time (see [`PodLocks`]).
     pub locks: PodLocks,
+    pub probe_ips: ProbeIps,
+}
+
+/// The IPs each pod's probe-set entries were made for. A deleted pod's object can lack them (a
+/// pod the CNI path read before the kubelet wrote its status, deleted while the watch was down),
+/// and its entries must still go.
+#[derive(Default)]
+pub struct ProbeIps(std::sync::Mutex<HashMap<String, HashSet<IpAddr>>>);
+
+impl ProbeIps {
+    fn record(&self, uid: &str, ips: impl IntoIterator<Item = IpAddr>) {
+        let mut m = self.0.lock().unwrap();
+        m.entry(uid.to_string()).or_default().extend(ips);
+    }
+
+    /// `ips` and every IP recorded for `uid`.
+    fn with_recorded(&self, uid: &str, ips: &[IpAddr]) -> Vec<IpAddr> {
+        let mut all: HashSet<IpAddr> = ips.iter().map(|ip| ip.to_canonical()).collect();
+        if let Some(known) = self.0.lock().unwrap().get(uid) {
+            all.extend(known);
+        }
+        all.into_iter().collect()
+    }
+
+    fn forget(&self, uid: &str) {
+        self.0.lock().unwrap().remove(uid);
+    }
 }
 
 /// Serialises the add, remove and drift repair of one pod. Without it a drift check that took a
@@ -279,10 +306,12 @@ impl Mesh {
         uid: &str,
         ips: &[IpAddr],
     ) -> Result<(), MeshError> {
-        let entries = ips
+        let entries: Vec<(IpAddr, String)> = ips
             .iter()
             .map(|ip| (ip.to_canonical(), uid.to_string()))
             .collect();
+        self.probe_ips
+            .record(uid, entries.iter().map(|(ip, _)| *ip));
         self.upsert_probes(entries)
             .await
             .map_err(|source| MeshError::ProbeSet {
@@ -369,14 +398,15 @@ impl Mesh {
             .clone()
             .ok_or_else(|| MeshError::NoUid(pod_name.clone()))?;
         let _pod_lock = self.locks.lock(&uid).await;
-        for ip in ips {
+        for ip in self.probe_ips.with_recorded(&uid, ips) {
             self.probes
-                .remove(ip.to_canonical(), &uid)
+                .remove(ip, &uid)
                 .map_err(|source| MeshError::ProbeSet {
                     pod: pod_name.clone(),
                     source,
                 })?;
         }
+        self.probe_ips.forget(&uid);
         let entry = self.cache.take(&uid);
         if is_delete {
             self.hints.forget(&uid);
@@ -446,6 +476,8 @@ impl Mesh {
                 keep.insert(ip);
                 entries.push((ip, uid.clone()));
             }
+            self.probe_ips
+                .record(&uid, f.ips.iter().map(|ip| ip.to_canonical()));
             let workload = workload_info(pod);
             self.cache.ensure_with(&uid, workload.clone());
             wanted.insert(
@@ -608,6 +640,22 @@ fn ns_name(pod: &Pod) -> (&str, &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn removal_covers_the_ips_a_pod_object_no_longer_shows() {
+        let known = ProbeIps::default();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        known.record("uid-a", [ip("10.88.0.7")]);
+        let mut got = known.with_recorded("uid-a", &[]);
+        got.sort();
+        assert_eq!(got, [ip("10.88.0.7")]);
+        let mut got = known.with_recorded("uid-a", &[ip("10.88.0.8"), ip("::ffff:10.88.0.7")]);
+        got.sort();
+        assert_eq!(got, [ip("10.88.0.7"), ip("10.88.0.8")]);
+        assert!(known.with_recorded("uid-b", &[]).is_empty());
+        known.forget("uid-a");
+        assert!(known.with_recorded("uid-a", &[]).is_empty());
+    }
 
     #[tokio::test]
     async fn one_operation_per_pod_at_a_time() {
