@@ -1,6 +1,8 @@
 //! Test kit: real components wired the way a node wires them (never mocks of them). Compiled only
 //! for tests and with the `testing` feature; never part of the shipped agent.
 
+pub mod api_proxy;
+pub mod churn;
 pub mod cni_runtime;
 pub mod kube;
 pub mod manifests;

@@ -18,7 +18,10 @@ use kube::api::{Api, ObjectMeta, PostParams};
 const ADMIN_TOKEN: &str = "istio-cni-rs-test-admin";
 
 pub struct KubeTestEnv {
+    /// etcd, then kube-apiserver.
     processes: Vec<Child>,
+    /// How kube-apiserver was started, for [`restart_apiserver`](Self::restart_apiserver).
+    apiserver: Vec<std::ffi::OsString>,
     dir: tempfile::TempDir,
     /// `https://127.0.0.1:<port>`
     pub server: String,
@@ -103,6 +106,7 @@ impl KubeTestEnv {
         let d = d.as_path();
         let mut env = KubeTestEnv {
             processes: Vec::new(),
+            apiserver: Vec::new(),
             dir,
             server: String::new(),
             admin: std::sync::OnceLock::new(),
@@ -151,33 +155,64 @@ impl KubeTestEnv {
 
         let port = free_port();
         env.server = format!("https://127.0.0.1:{port}");
-        env.processes.push(spawn(
-            Command::new(bin.join("kube-apiserver"))
-                .arg(format!("--etcd-servers={etcd_url}"))
-                .arg("--bind-address=127.0.0.1")
-                .arg("--advertise-address=127.0.0.1")
-                .arg(format!("--secure-port={port}"))
-                .arg(format!("--tls-cert-file={}", cert.display()))
-                .arg(format!("--tls-private-key-file={}", key.display()))
-                .arg("--authorization-mode=RBAC")
-                .arg(format!(
-                    "--token-auth-file={}",
-                    d.join("tokens.csv").display()
-                ))
-                .arg("--service-account-issuer=https://kubernetes.default.svc.cluster.local")
-                .arg(format!("--service-account-key-file={}", key.display()))
-                .arg(format!(
-                    "--service-account-signing-key-file={}",
-                    key.display()
-                ))
-                .arg("--service-cluster-ip-range=10.96.0.0/16")
-                .arg("--disable-admission-plugins=ServiceAccount")
-                .arg("--allow-privileged=true")
-                .arg("--enable-priority-and-fairness=false"),
-            &d.join("kube-apiserver.log"),
-        ));
+        let flags = [
+            format!("--etcd-servers={etcd_url}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={port}"),
+            format!("--tls-cert-file={}", cert.display()),
+            format!("--tls-private-key-file={}", key.display()),
+            "--authorization-mode=RBAC".into(),
+            format!("--token-auth-file={}", d.join("tokens.csv").display()),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+            format!("--service-account-key-file={}", key.display()),
+            format!("--service-account-signing-key-file={}", key.display()),
+            "--service-cluster-ip-range=10.96.0.0/16".into(),
+            "--disable-admission-plugins=ServiceAccount".into(),
+            "--allow-privileged=true".into(),
+            "--enable-priority-and-fairness=false".into(),
+        ];
+        env.apiserver = std::iter::once(bin.join("kube-apiserver").into_os_string())
+            .chain(flags.into_iter().map(Into::into))
+            .collect();
+        let apiserver = env.spawn_apiserver();
+        env.processes.push(apiserver);
         env.wait_ready().await?;
         Ok(env)
+    }
+
+    fn spawn_apiserver(&self) -> Child {
+        let log = self.dir.path().join("kube-apiserver.log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        Command::new(&self.apiserver[0])
+            .args(&self.apiserver[1..])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start kube-apiserver: {e}"))
+    }
+
+    /// Kills kube-apiserver (SIGKILL) and starts it again on the same port and etcd; returns once
+    /// it is ready. Clients see their connections reset and then refused meanwhile.
+    pub async fn restart_apiserver(&mut self) {
+        let old = &mut self.processes[1];
+        let _ = old.kill();
+        let _ = old.wait();
+        self.processes[1] = self.spawn_apiserver();
+        if let Err(e) = self.wait_ready().await {
+            panic!("kube-apiserver restart: {e}");
+        }
+    }
+
+    /// The API server's serving certificate and key (PEM files): a test proxy in front of the
+    /// server presents them, so clients trusting [`ca_pem`](Self::ca_pem) accept the proxy.
+    pub fn serving_cert(&self) -> (PathBuf, PathBuf) {
+        let d = self.dir.path();
+        (d.join("apiserver.crt"), d.join("apiserver.key"))
     }
 
     async fn wait_ready(&mut self) -> Result<(), String> {
@@ -228,11 +263,16 @@ impl KubeTestEnv {
 
     /// A kubeconfig file (JSON, which is YAML) for `token`, for processes under test.
     pub fn write_kubeconfig(&self, path: &Path, token: &str) {
+        self.write_kubeconfig_for(path, token, &self.server);
+    }
+
+    /// The same for another endpoint serving this API (a proxy in front of it).
+    pub fn write_kubeconfig_for(&self, path: &Path, token: &str, server: &str) {
         use base64::Engine;
         let ca = base64::engine::general_purpose::STANDARD.encode(self.ca_pem());
         let cfg = serde_json::json!({
             "apiVersion": "v1", "kind": "Config",
-            "clusters": [{"name": "test", "cluster": {"server": self.server, "certificate-authority-data": ca}}],
+            "clusters": [{"name": "test", "cluster": {"server": server, "certificate-authority-data": ca}}],
             "users": [{"name": "test", "user": {"token": token}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
             "current-context": "test"

@@ -58,6 +58,65 @@ pub fn plugin_binary() -> PathBuf {
         .unwrap_or_else(|| binary_dir().join("istio-cni"))
 }
 
+/// How [`TestNode::start_on`] sets the node up; the default is [`TestNode::start`]'s node.
+#[derive(Clone, Debug)]
+pub struct NodeOptions {
+    pub identity: Identity,
+    /// The API server as the agent and the plugin see it: a port on 127.0.0.1 serving it with
+    /// the server's certificate (a fault-injecting proxy); `None` means the server itself.
+    pub api_port: Option<u16>,
+    /// Mount a tmpfs of this many bytes on the agent's run dir, so a test can fill it (disk
+    /// full). Only inside a private mount namespace the caller made: never on the host's.
+    pub run_dir_tmpfs: Option<u64>,
+}
+
+impl Default for NodeOptions {
+    fn default() -> Self {
+        NodeOptions {
+            identity: Identity::Admin,
+            api_port: None,
+            run_dir_tmpfs: None,
+        }
+    }
+}
+
+/// Set once this process has its own mount namespace.
+static PRIVATE_MOUNTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Gives this process its own mount namespace with nothing propagating to or from the host, so
+/// mounts a test makes (a run dir tmpfs, `ip netns` bind mounts) die with it. Must be called
+/// before the process starts a thread: a multithreaded process cannot unshare its mounts.
+pub fn private_mount_namespace() -> nix::Result<()> {
+    use nix::mount::{MsFlags, mount};
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )?;
+    PRIVATE_MOUNTS.store(true, std::sync::atomic::Ordering::SeqCst);
+    Ok(())
+}
+
+/// Mounts a tmpfs of `bytes` on `dir`, refusing to unless [`private_mount_namespace`] ran: the
+/// mount must never land in the host's namespace.
+fn mount_private_tmpfs(dir: &Path, bytes: u64) {
+    assert!(
+        PRIVATE_MOUNTS.load(std::sync::atomic::Ordering::SeqCst),
+        "a run dir tmpfs needs private_mount_namespace() first"
+    );
+    nix::mount::mount(
+        Some("tmpfs"),
+        dir,
+        Some("tmpfs"),
+        nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV,
+        Some(format!("size={bytes},mode=0755").as_str()),
+    )
+    .unwrap_or_else(|e| panic!("mount tmpfs on {}: {e}", dir.display()));
+}
+
 /// Debian's reference plugins.
 const DEBIAN_CNI: &str = "/usr/lib/cni";
 const POD_CIDR: &str = "10.88.0.0/16";
@@ -72,6 +131,10 @@ pub struct TestNode {
     pub backend: Backend,
     /// Added to (and overriding) [`agent_env`](Self::agent_env) from the next agent start.
     pub extra_env: Vec<(String, String)>,
+    /// The loopback port the agent and the plugin reach the API server on (a proxy's, or the
+    /// server's own).
+    pub api_port: u16,
+    run_dir_tmpfs: bool,
     agent: Option<Child>,
     kubelet: Option<Child>,
     api_forwarder: std::net::TcpListener,
@@ -143,7 +206,17 @@ impl TestNode {
     }
 
     pub async fn start_as(backend: Backend, identity: Identity) -> TestNode {
-        let kube = KubeTestEnv::start().await;
+        let options = NodeOptions {
+            identity,
+            ..NodeOptions::default()
+        };
+        Self::start_on(KubeTestEnv::start().await, backend, options).await
+    }
+
+    /// A node on an API server the caller started, with the agent and plugins configured by
+    /// `options`.
+    pub async fn start_on(kube: KubeTestEnv, backend: Backend, options: NodeOptions) -> TestNode {
+        let identity = options.identity;
         let token = match identity {
             Identity::Admin => kube.admin_token().to_string(),
             Identity::ShippedRbac => super::manifests::install_shipped_rbac(&kube).await,
@@ -166,7 +239,15 @@ impl TestNode {
         std::fs::copy(plugin_binary(), d.join("src-bin/istio-cni")).unwrap();
         std::fs::write(d.join("sa/token"), &token).unwrap();
         std::fs::write(d.join("sa/ca.crt"), kube.ca_pem()).unwrap();
-        kube.write_kubeconfig(&d.join("kubeconfig"), &token);
+        let api_port = options.api_port.unwrap_or(kube.port());
+        kube.write_kubeconfig_for(
+            &d.join("kubeconfig"),
+            &token,
+            &format!("https://127.0.0.1:{api_port}"),
+        );
+        if let Some(bytes) = options.run_dir_tmpfs {
+            mount_private_tmpfs(&d.join("run"), bytes);
+        }
         let conflist = json!({
             "cniVersion": "1.0.0",
             "name": "e2e",
@@ -186,9 +267,11 @@ impl TestNode {
         let kubelet = (backend == Backend::Nftables).then(|| fake_kubelet(d));
 
         let node_netns = TestNetns::new("node");
-        let api_forwarder = forward_loopback(&node_netns, kube.port());
+        let api_forwarder = forward_loopback(&node_netns, api_port);
         let mut node = TestNode {
             kube,
+            api_port,
+            run_dir_tmpfs: options.run_dir_tmpfs.is_some(),
             node_netns,
             api_forwarder,
             node_name: format!("node-{}", std::process::id()),
@@ -227,7 +310,7 @@ impl TestNode {
             ("CNI_AGENT_RUN_DIR", p("run")),
             ("SERVICE_ACCOUNT_DIR", p("sa")),
             ("KUBERNETES_SERVICE_HOST", "127.0.0.1".into()),
-            ("KUBERNETES_SERVICE_PORT", self.kube.port().to_string()),
+            ("KUBERNETES_SERVICE_PORT", self.api_port.to_string()),
             ("KUBECONFIG", p("kubeconfig")),
             ("ZTUNNEL_UDS_ADDRESS", p("zt/ztunnel.sock")),
             ("HOST_PREFIX", "/".into()),
@@ -285,6 +368,11 @@ impl TestNode {
             .spawn()
             .expect("start install-cni");
         self.agent = Some(child);
+    }
+
+    /// The running agent's PID.
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.agent.as_ref().map(Child::id)
     }
 
     /// SIGKILL: no cleanup runs (a crash).
@@ -468,8 +556,25 @@ impl TestNode {
         reason = "the error carries the failing plugin's whole output"
     )]
     pub async fn sandbox_add(&self, pod: &mut TestPod) -> Result<Value, CniRuntimeError> {
-        let prev = self.sandbox_add_primary(pod).await?;
-        let result = self.sandbox_add_ours(pod, prev).await?;
+        self.sandbox_add_on(pod, self.runtime()).await
+    }
+
+    /// [`sandbox_add`](Self::sandbox_add) with the chain `runtime` read: one read of the config
+    /// for the whole ADD, as a runtime does, even while another writer rewrites the file.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the error carries the failing plugin's whole output"
+    )]
+    pub async fn sandbox_add_on(
+        &self,
+        pod: &mut TestPod,
+        runtime: CniRuntime,
+    ) -> Result<Value, CniRuntimeError> {
+        let runtime = std::sync::Arc::new(runtime);
+        let prev = self.add_part(&runtime, pod, Part::Primary, None).await?;
+        let prev = prev.expect("the installed chain has a primary plugin");
+        let result = self.add_part(&runtime, pod, Part::Ours, Some(prev)).await?;
+        let result = result.expect("prev is passed through an empty part");
         self.report_running(pod, &result).await;
         Ok(result)
     }
@@ -481,7 +586,8 @@ impl TestNode {
         reason = "the error carries the failing plugin's whole output"
     )]
     pub async fn sandbox_add_primary(&self, pod: &TestPod) -> Result<Value, CniRuntimeError> {
-        let result = self.add_part(pod, Part::Primary, None).await?;
+        let runtime = std::sync::Arc::new(self.runtime());
+        let result = self.add_part(&runtime, pod, Part::Primary, None).await?;
         Ok(result.expect("the installed chain has a primary plugin"))
     }
 
@@ -497,7 +603,8 @@ impl TestNode {
         pod: &TestPod,
         prev: Value,
     ) -> Result<Value, CniRuntimeError> {
-        let result = self.add_part(pod, Part::Ours, Some(prev)).await?;
+        let runtime = std::sync::Arc::new(self.runtime());
+        let result = self.add_part(&runtime, pod, Part::Ours, Some(prev)).await?;
         Ok(result.expect("prev is passed through an empty part"))
     }
 
@@ -508,11 +615,12 @@ impl TestNode {
     )]
     async fn add_part(
         &self,
+        runtime: &std::sync::Arc<CniRuntime>,
         pod: &TestPod,
         part: Part,
         prev: Option<Value>,
     ) -> Result<Option<Value>, CniRuntimeError> {
-        let runtime = self.runtime();
+        let runtime = runtime.clone();
         let sandbox = Sandbox::k8s(
             &pod.container_id,
             pod.netns.path(),
@@ -594,6 +702,30 @@ impl TestNode {
         }
     }
 
+    /// CNI DEL for the pod's sandbox through the installed chain (as the runtime does when it
+    /// stops the sandbox), with `cached` the ADD result when there was one.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the error carries the failing plugin's whole output"
+    )]
+    pub async fn sandbox_del(
+        &self,
+        pod: &TestPod,
+        cached: Option<Value>,
+    ) -> Result<(), CniRuntimeError> {
+        let runtime = self.runtime();
+        let sandbox = Sandbox::k8s(
+            &pod.container_id,
+            pod.netns.path(),
+            &pod.namespace,
+            &pod.name,
+            &pod.uid,
+        );
+        tokio::task::spawn_blocking(move || runtime.del(&sandbox, cached.as_ref()))
+            .await
+            .unwrap()
+    }
+
     pub async fn delete_pod(&self, pod: &TestPod) {
         self.pods(&pod.namespace)
             .delete(&pod.name, &DeleteParams::default().grace_period(0))
@@ -668,6 +800,10 @@ impl Drop for TestNode {
         if let Some(mut k) = self.kubelet.take() {
             let _ = k.kill();
             let _ = k.wait();
+        }
+        // Before the temp dir goes: a mount point cannot be removed.
+        if self.run_dir_tmpfs {
+            let _ = nix::mount::umount2(&self.path("run"), nix::mount::MntFlags::MNT_DETACH);
         }
     }
 }

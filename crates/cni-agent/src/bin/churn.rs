@@ -1,0 +1,61 @@
+//! churn: the churn harness of issue #14 on the emulated node (`scripts/churn`). Pod
+//! create/delete cycles with random faults, invariants checked throughout; prints the report as
+//! a markdown table (for RELIABILITY.md) and exits 1 on any invariant violation. Root only.
+//! Test tooling (`testing` feature), never shipped.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use cni_agent::testing::churn::{ChurnConfig, emulated};
+use cni_agent::testing::node::Backend;
+
+#[derive(Parser)]
+#[command(about = "pod churn with fault injection on the emulated node")]
+struct Args {
+    #[arg(long, default_value_t = 1000)]
+    cycles: u64,
+    /// Seed of the schedule of actions and faults (default: from the clock; always printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long, value_parser = ["nftables", "iptables"], default_value = "nftables")]
+    backend: String,
+    /// Live pods kept while churning.
+    #[arg(long, default_value_t = 12)]
+    population: usize,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("churn needs root (network and mount namespaces)");
+        return ExitCode::from(2);
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,cni_agent::testing::churn=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    eprintln!("churn: {} cycles, seed {seed}", args.cycles);
+    let mut cfg = ChurnConfig::new(args.cycles, seed);
+    cfg.population = args.population;
+    let backend = match args.backend.as_str() {
+        "iptables" => Backend::Iptables,
+        _ => Backend::Nftables,
+    };
+    let report = emulated::run_emulated(&cfg, backend);
+    println!("{}", report.markdown());
+    if report.violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
