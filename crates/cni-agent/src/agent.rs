@@ -216,6 +216,8 @@ fn spawn_drift_checks(
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
+            // Hints a full run dir refused, now that there may be room.
+            mesh.hints.write_pending();
             let enrolled: Vec<Arc<k8s_openapi::api::core::v1::Pod>> = cluster
                 .read()
                 .unwrap()

@@ -20,6 +20,9 @@ pub struct NetnsHints {
     dir: PathBuf,
     /// When this agent started: hints written since are its own.
     since: std::time::SystemTime,
+    /// Hints that could not be written (full run dir): uid → path, written again later, so a
+    /// pod enrolled while the disk was full is still found without /proc after a restart.
+    unwritten: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
 }
 
 /// Pod UIDs become file names: anything but `[A-Za-z0-9-]` is refused.
@@ -35,14 +38,32 @@ impl NetnsHints {
             dir: run_dir.join("netns"),
             // File times come from the kernel's coarse clock, up to a tick behind ours.
             since: std::time::SystemTime::now() - std::time::Duration::from_millis(50),
+            unwritten: Default::default(),
         }
     }
 
-    /// Remembers the namespace path of a pod's sandbox. Failures only cost the shortcut.
+    /// Remembers the namespace path of a pod's sandbox. A failed write is retried by
+    /// [`write_pending`](Self::write_pending); until then it costs only the shortcut.
     pub fn record(&self, uid: &str, netns_path: &str) {
         if !valid_uid(uid) {
             return;
         }
+        let mut unwritten = self.unwritten.lock().unwrap();
+        if self.write(uid, netns_path) {
+            unwritten.remove(uid);
+        } else {
+            unwritten.insert(uid.to_string(), netns_path.to_string());
+        }
+    }
+
+    /// Writes the hints that failed before (the run dir was full); returns how many remain.
+    pub fn write_pending(&self) -> usize {
+        let mut unwritten = self.unwritten.lock().unwrap();
+        unwritten.retain(|uid, path| !self.write(uid, path));
+        unwritten.len()
+    }
+
+    fn write(&self, uid: &str, netns_path: &str) -> bool {
         use std::os::unix::fs::DirBuilderExt;
         let tmp = self.dir.join(format!(".{uid}.tmp"));
         let result = std::fs::DirBuilder::new()
@@ -53,10 +74,14 @@ impl NetnsHints {
                 std::fs::write(&tmp, netns_path)?;
                 std::fs::rename(&tmp, self.dir.join(uid))
             });
-        if let Err(e) = result {
-            // A full run dir fails the write after creating the file: nothing may stay behind.
-            let _ = std::fs::remove_file(&tmp);
-            tracing::warn!(uid, error = %e, "cannot record netns hint");
+        match result {
+            Ok(()) => true,
+            Err(e) => {
+                // A full run dir fails the write after creating the file: nothing may stay.
+                let _ = std::fs::remove_file(&tmp);
+                tracing::warn!(uid, error = %e, "cannot record netns hint; will retry");
+                false
+            }
         }
     }
 
@@ -84,6 +109,7 @@ impl NetnsHints {
     }
 
     pub fn forget(&self, uid: &str) {
+        self.unwritten.lock().unwrap().remove(uid);
         if valid_uid(uid) {
             let _ = std::fs::remove_file(self.dir.join(uid));
         }
@@ -152,6 +178,21 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["uid-1", "uid-2"], "a temp file was left behind");
+
+        // Written once there is room again.
+        std::fs::remove_dir(dir.path().join("netns/uid-2")).unwrap();
+        assert_eq!(hints.write_pending(), 0);
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("netns/uid-2")).unwrap(),
+            "/proc/self/ns/net"
+        );
+        // A forgotten pod's failed hint is not written later.
+        std::fs::create_dir(dir.path().join("netns/uid-3")).unwrap();
+        hints.record("uid-3", "/proc/self/ns/net");
+        hints.forget("uid-3");
+        std::fs::remove_dir(dir.path().join("netns/uid-3")).unwrap();
+        assert_eq!(hints.write_pending(), 0);
+        assert!(!dir.path().join("netns/uid-3").exists());
     }
 
     #[test]
