@@ -326,6 +326,32 @@ async fn nack_returns_ztunnel_text_and_keeps_the_connection() {
 }
 
 #[tokio::test]
+async fn peer_retries_pending_workloads_like_ztunnel() {
+    let agent = Agent::start();
+    let me = Netns::current().unwrap();
+    let mut cfg = PeerConfig::new(&agent.path);
+    cfg.pending_retry = Duration::from_millis(50);
+    let peer = ZdsPeer::start(cfg);
+    agent.wait_synced(1).await;
+    peer.set_add_reply(None, AddReply::Nack("proxy failed".into()));
+    agent.add("late", &me).await.unwrap_err();
+    // Still refused: the retries keep it Pending.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        peer.status().workloads["late"].state,
+        WorkloadState::Pending
+    );
+    // Once the proxy could start, the retry brings it up with no Add from the agent.
+    peer.set_add_reply(None, AddReply::Ack);
+    wait_until("pending workload up", || {
+        peer.status().workloads["late"].state == WorkloadState::Up
+    })
+    .await;
+    assert_eq!(logged(&peer.status(), "add late"), 1);
+    agent.shutdown().await;
+}
+
+#[tokio::test]
 async fn peer_crash_mid_request_fails_the_request_and_the_peer_resyncs() {
     let agent = Agent::start();
     let me = Netns::current().unwrap();

@@ -341,7 +341,6 @@ pub async fn run<N: ChurnNode>(node: &mut N, cfg: &ChurnConfig) -> ChurnReport {
     let mut running: Vec<String> = Vec::new();
     let mut failed: BTreeSet<String> = BTreeSet::new();
     let mut last_quiet = 0;
-    let mut next_pod = 0u64;
     // The last cycle a fault was active: recoveries (reconnects, watch backoffs) outlast it.
     let mut last_fault: Option<u64> = None;
     let mut seen = BTreeSet::new();
@@ -368,7 +367,9 @@ pub async fn run<N: ChurnNode>(node: &mut N, cfg: &ChurnConfig) -> ChurnReport {
                     hit
                 })
                 .expect("weights cover the kinds");
-            if !active.contains_key(&kind) {
+            // A lasting fault already active is not injected twice.
+            let fresh = !active.contains_key(&kind);
+            if fresh {
                 *report.faults.entry(kind).or_default() += 1;
                 if kind == FaultKind::AgentKillMidAdd {
                     kill_next_add = true;
@@ -405,8 +406,7 @@ pub async fn run<N: ChurnNode>(node: &mut N, cfg: &ChurnConfig) -> ChurnReport {
         }
 
         // One new pod per cycle; above the population, one random pod goes.
-        let name = format!("churn-{next_pod}");
-        next_pod += 1;
+        let name = format!("churn-{cycle}");
         let kill = kill_next_add.then(|| rng.millis(0, 40));
         kill_next_add = false;
         let outcome = node.create_pod(&name, kill).await;

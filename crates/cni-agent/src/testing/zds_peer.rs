@@ -74,6 +74,9 @@ pub struct PeerConfig {
     pub status_file: Option<PathBuf>,
     pub max_backoff: Duration,
     pub proxies: Option<Arc<dyn ProxyFactory>>,
+    /// How often Pending workloads are retried, as ztunnel does (every 5 s): one whose Add
+    /// would now be acked comes up without the agent sending it again.
+    pub pending_retry: Duration,
 }
 
 impl PeerConfig {
@@ -83,6 +86,7 @@ impl PeerConfig {
             status_file: None,
             max_backoff: Duration::from_secs(15),
             proxies: None,
+            pending_retry: Duration::from_secs(5),
         }
     }
 }
@@ -132,7 +136,7 @@ pub struct PeerStatus {
 
 struct Workload {
     status: WorkloadStatus,
-    _netns: Netns,
+    netns: Netns,
     proxy: Option<Box<dyn RunningProxy>>,
 }
 
@@ -206,11 +210,55 @@ fn write_atomically(path: &Path, data: &[u8]) -> std::io::Result<()> {
 pub struct ZdsPeer {
     inner: Arc<Inner>,
     task: JoinHandle<Result<(), String>>,
+    retry: JoinHandle<()>,
 }
 
 impl Drop for ZdsPeer {
     fn drop(&mut self) {
         self.task.abort();
+        self.retry.abort();
+    }
+}
+
+/// ztunnel's retry of failed proxies: every `pending_retry`, each Pending workload whose Add
+/// would be acked now (no nack configured for it) has its proxy started and goes Up.
+async fn retry_pending(inner: Arc<Inner>) {
+    loop {
+        tokio::time::sleep(inner.cfg.pending_retry).await;
+        let mut changed = false;
+        {
+            let mut st = inner.state();
+            let State {
+                workloads,
+                replies,
+                default_reply,
+                ..
+            } = &mut *st;
+            for (uid, w) in workloads.iter_mut() {
+                if w.status.state != WorkloadState::Pending {
+                    continue;
+                }
+                let reply = replies.get(uid).or(default_reply.as_ref());
+                if matches!(reply, Some(AddReply::Nack(_))) {
+                    continue;
+                }
+                let started = match &inner.cfg.proxies {
+                    Some(factory) => factory.start(uid, &w.netns).map(Some),
+                    None => Ok(None),
+                };
+                if let Ok(proxy) = started {
+                    w.proxy = proxy;
+                    w.status.state = WorkloadState::Up;
+                    changed = true;
+                }
+            }
+            if changed {
+                st.status.log.push("pending retried".into());
+            }
+        }
+        if changed {
+            inner.publish();
+        }
     }
 }
 
@@ -231,7 +279,8 @@ impl ZdsPeer {
             disconnect: Notify::new(),
         });
         let task = tokio::spawn(run(inner.clone()));
-        ZdsPeer { inner, task }
+        let retry = tokio::spawn(retry_pending(inner.clone()));
+        ZdsPeer { inner, task, retry }
     }
 
     pub fn status(&self) -> PeerStatus {
@@ -280,6 +329,7 @@ impl ZdsPeer {
 
     /// Waits for the peer to exit; `Err` carries the protocol error (ztunnel's exit 1).
     pub async fn join(mut self) -> Result<(), String> {
+        self.retry.abort();
         let task = std::mem::replace(&mut self.task, tokio::spawn(async { Ok(()) }));
         task.await.map_err(|e| format!("peer task: {e}"))?
     }
@@ -546,7 +596,7 @@ async fn handle_add(
                 netns_ino: id.ino,
                 connections: 0,
             },
-            _netns: netns,
+            netns,
             proxy,
         },
     );
