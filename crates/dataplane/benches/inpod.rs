@@ -68,6 +68,36 @@ fn main() {
         }
     }
     sandbox_cost(samples * 4);
+    leftover_check_cost(samples * 4);
+}
+
+/// What looking for the other backend's rules (after a backend switch) adds to every enroll,
+/// verify and unenroll, in a pod holding only the backend in use's rules: no iptables tool
+/// runs then, only the cheap gates.
+fn leftover_check_cost(samples: usize) {
+    use dataplane::leftovers::{IptablesLeftovers, nft_in_pod};
+    let cfg = InpodConfig::default();
+    let previous = IptablesLeftovers::find();
+    let (mut on_nft, mut on_ipt) = (Vec::new(), Vec::new());
+    for (name, times) in [("nftables", &mut on_nft), ("iptables", &mut on_ipt)] {
+        let b = backend(name, &BackendOptions::default()).expect("backend");
+        let ns = TestNetns::new("bench-left");
+        let netns = ns.open();
+        pod::enroll(&netns, &cfg, b.as_ref()).expect("enroll");
+        for _ in 0..samples {
+            let t = Instant::now();
+            let found = if name == "nftables" {
+                previous.in_pod(&netns).expect("iptables check")
+            } else {
+                nft_in_pod(&netns).expect("nftables check")
+            };
+            times.push(t.elapsed());
+            assert!(!found, "{name} pod has no rules of the other backend");
+        }
+    }
+    println!("previous-backend check in an enrolled pod, {samples} samples:");
+    println!("  nftables node (iptables gates) {}", stats(on_nft));
+    println!("  iptables node (nftables read)  {}", stats(on_ipt));
 }
 
 /// What the xtables sandbox (a private mount namespace per iptables child) adds to starting a
