@@ -196,8 +196,16 @@ impl Netns {
                 _owner: None,
             });
         };
+        let path_var = std::env::var_os("PATH").unwrap_or_default();
+        let Some(nsenter) = find_in_path("nsenter", &path_var) else {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                "nsenter (util-linux) is needed for a pod with its own user namespace \
+                 (hostUsers: false) and is not on PATH",
+            ));
+        };
         let fd_path = |fd: i32| format!("/proc/{}/fd/{fd}", std::process::id());
-        let mut cmd = Command::new("nsenter");
+        let mut cmd = Command::new(nsenter);
         cmd.arg(format!("--user={}", fd_path(owner.as_raw_fd())))
             .arg(format!("--net={}", fd_path(self.fd.as_raw_fd())))
             .arg("--");
@@ -259,6 +267,13 @@ pub enum SpawnError {
     Spawn(io::Error),
 }
 
+/// The first `name` among the directories of a `PATH` value.
+fn find_in_path(name: &str, path_var: &std::ffi::OsStr) -> Option<PathBuf> {
+    std::env::split_paths(path_var)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
+
 /// A [`Command`] from [`Netns::command`], holding open what `nsenter` opens by path until the
 /// command is dropped (after its child has been waited for).
 #[derive(Debug)]
@@ -295,6 +310,31 @@ impl From<Netns> for OwnedFd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nsenter_is_looked_up_on_the_given_path() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("nsenter"), "").unwrap();
+        let path = std::env::join_paths(["/nonexistent".into(), dir.path().to_path_buf()]).unwrap();
+        assert_eq!(
+            find_in_path("nsenter", &path),
+            Some(dir.path().join("nsenter"))
+        );
+        assert_eq!(
+            find_in_path("nsenter", std::ffi::OsStr::new("/nonexistent")),
+            None
+        );
+    }
+
+    #[test]
+    fn own_namespaces_have_no_foreign_owner_and_plain_commands() {
+        let ns = Netns::current().unwrap().for_owner_matches().unwrap();
+        assert!(ns.foreign_owner().unwrap().is_none());
+        assert_eq!(
+            ns.command("iptables-save").unwrap().get_program(),
+            "iptables-save"
+        );
+    }
 
     #[test]
     fn current_netns_has_identity() {
