@@ -8,5 +8,6 @@ pub mod kube;
 pub mod manifests;
 pub mod node;
 pub mod pod_proxy;
+pub mod real_node;
 pub mod relay;
 pub mod zds_peer;

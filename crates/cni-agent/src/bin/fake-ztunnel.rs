@@ -56,6 +56,9 @@ async fn main() {
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("SIGTERM handler");
+    // A process reading the status file (the real-node suite) sees connection counts through
+    // the in-pod listeners within a second.
+    let _publisher = peer.publish_every(Duration::from_secs(1));
     tokio::select! {
         result = peer.join() => {
             if let Err(protocol) = result {

@@ -348,7 +348,7 @@ impl KubeTestEnv {
     }
 }
 
-fn pem_to_der(pem: &[u8]) -> Vec<u8> {
+pub(crate) fn pem_to_der(pem: &[u8]) -> Vec<u8> {
     use base64::Engine;
     let text = std::str::from_utf8(pem).expect("PEM is text");
     let body: String = text

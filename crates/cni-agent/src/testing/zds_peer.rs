@@ -289,6 +289,19 @@ impl ZdsPeer {
         st.status.clone()
     }
 
+    /// Also writes the status file every `period`, not only after each ZDS message: connection
+    /// counts change between messages.
+    pub fn publish_every(&self, period: Duration) -> tokio::task::JoinHandle<()> {
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tick.tick().await;
+                inner.publish();
+            }
+        })
+    }
+
     /// Polls the status until `pred` holds; the error names `what` and shows the last status.
     pub async fn wait_for(
         &self,

@@ -1,0 +1,273 @@
+//! A real Kubernetes node for the real-node e2e suite: `scripts/real-node` (etcd, kube-apiserver,
+//! controller-manager, scheduler, containerd + runc, kubelet) in a mount + network namespace of
+//! its own, under a temporary directory, torn down (`scripts/real-node down`) on drop.
+//!
+//! The API server listens on loopback inside the node's network namespace; [`RealNode::client`]
+//! reaches it through a forwarder on the test's loopback whose upstream sockets are created in
+//! the node's namespace (the netns rule: a socket keeps the namespace it was made in).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use dataplane::netns::Netns;
+
+/// The node's name in the cluster (`scripts/real-node`).
+pub const NODE_NAME: &str = "real-node";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub struct RealNode {
+    dir: tempfile::TempDir,
+    images: PathBuf,
+    /// The node's network namespace, replaced at each start (a stopped node's is gone).
+    netns: Arc<Mutex<Option<Netns>>>,
+    /// `https://127.0.0.1:<port>` on the test's loopback, forwarded into the node.
+    pub server: String,
+    client: OnceLock<kube::Client>,
+    forwarder: tokio::task::JoinHandle<()>,
+}
+
+/// The node's images: `$REAL_NODE_IMAGES` if set (a directory of OCI archives), else built once per
+/// test process with `scripts/node-images build`.
+pub fn images_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("REAL_NODE_IMAGES") {
+            return dir.into();
+        }
+        let out = repo().join("target/real-node-images");
+        let script = repo().join("scripts/node-images");
+        let status = Command::new(&script)
+            .arg("build")
+            .arg(&out)
+            .stdout(Stdio::null())
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+        assert!(status.success(), "{} build {} failed", script.display(), out.display());
+        out
+    })
+    .clone()
+}
+
+impl RealNode {
+    /// Brings up a node with the images of [`images_dir`] imported, and waits until it is Ready.
+    pub async fn up() -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("real-node")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = format!("https://{}", listener.local_addr().unwrap());
+        let netns = Arc::new(Mutex::new(None));
+        let forwarder = tokio::spawn(forward(listener, netns.clone()));
+        let node = RealNode {
+            dir,
+            images: images_dir(),
+            netns,
+            server,
+            client: OnceLock::new(),
+            forwarder,
+        };
+        node.start().await;
+        node
+    }
+
+    /// The node's directory (logs under `logs/`, the CNI config under `overlay/etc/upper/cni`).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Runs `scripts/real-node ARGS` for this node; panics with its output on failure.
+    pub fn script(&self, args: &[&str]) -> String {
+        let out = self.try_script(args);
+        assert!(
+            out.status.success(),
+            "scripts/real-node {} failed ({}):\n{}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    pub fn try_script(&self, args: &[&str]) -> Output {
+        Command::new(repo().join("scripts/real-node"))
+            .args(args)
+            .env("REAL_NODE_DIR", self.dir.path())
+            .stdin(Stdio::null())
+            .output()
+            .expect("scripts/real-node")
+    }
+
+    /// kubectl as cluster admin inside the node.
+    pub fn kubectl(&self, args: &[&str]) -> String {
+        let mut all = vec!["kubectl"];
+        all.extend_from_slice(args);
+        self.script(&all)
+    }
+
+    /// helm inside the node, from the repository's root (so chart paths are relative to it).
+    pub fn helm(&self, args: &[&str]) -> String {
+        let mut all = vec!["helm"];
+        all.extend_from_slice(args);
+        self.script(&all)
+    }
+
+    /// A file as the node sees it (its /run, /etc and /opt are its own).
+    pub fn read(&self, path: &str) -> Option<String> {
+        let out = self.try_script(&["exec", "cat", path]);
+        out.status
+            .success()
+            .then(|| String::from_utf8(out.stdout).unwrap())
+    }
+
+    /// `scripts/real-node up`: starts every component (again, after [`RealNode::stop`]).
+    pub async fn start(&self) {
+        let images = self.images.to_str().unwrap().to_string();
+        let dir = self.dir.path().to_path_buf();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(repo().join("scripts/real-node"))
+                .args(["up", "--images", &images])
+                .env("REAL_NODE_DIR", &dir)
+                .stdin(Stdio::null())
+                .output()
+                .expect("scripts/real-node")
+        })
+        .await
+        .unwrap();
+        assert!(
+            out.status.success(),
+            "scripts/real-node up failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let pid = std::fs::read_to_string(self.dir.path().join("run/holder.pid")).unwrap();
+        let ns = Netns::open(format!("/proc/{}/ns/net", pid.trim())).expect("node netns");
+        *self.netns.lock().unwrap() = Some(ns);
+    }
+
+    /// Kills every process of the node and removes its mounts: with [`RealNode::start`], a reboot.
+    pub fn stop(&self) {
+        self.netns.lock().unwrap().take();
+        self.script(&["stop"]);
+    }
+
+    /// Restarts one component (`kubelet`, `containerd`, ...) and waits until it works again.
+    pub async fn restart(&self, component: &str) {
+        let dir = self.dir.path().to_path_buf();
+        let component = component.to_string();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(repo().join("scripts/real-node"))
+                .args(["restart", &component])
+                .env("REAL_NODE_DIR", &dir)
+                .stdin(Stdio::null())
+                .output()
+                .expect("scripts/real-node")
+        })
+        .await
+        .unwrap();
+        assert!(
+            out.status.success(),
+            "restart failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// A cluster-admin client (x509 `system:masters`), through the forwarder.
+    pub fn client(&self) -> kube::Client {
+        self.client
+            .get_or_init(|| {
+                use base64::Engine;
+                let b64 = |name: &str| {
+                    base64::engine::general_purpose::STANDARD
+                        .encode(std::fs::read(self.dir.path().join("pki").join(name)).unwrap())
+                };
+                let mut cfg = kube::Config::new(self.server.parse().unwrap());
+                let ca = std::fs::read(self.dir.path().join("pki/ca.crt")).unwrap();
+                cfg.root_cert = Some(vec![super::kube::pem_to_der(&ca)]);
+                cfg.auth_info.client_certificate_data = Some(b64("admin.crt"));
+                cfg.auth_info.client_key_data = Some(b64("admin.key").into());
+                cfg.default_namespace = "default".into();
+                kube::Client::try_from(cfg).expect("admin client")
+            })
+            .clone()
+    }
+
+    /// Waits until `check` returns `Some`, or panics after `timeout` naming `what`.
+    pub async fn eventually<T, F, Fut>(&self, what: &str, timeout: Duration, mut check: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(v) = check().await {
+                return v;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "{what}: not after {timeout:?}\n{}",
+                    self.log_tails(&["kubelet", "containerd"])
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The last lines of the components' logs, for failure messages.
+    pub fn log_tails(&self, components: &[&str]) -> String {
+        let mut s = String::new();
+        for c in components {
+            let text =
+                std::fs::read_to_string(self.dir.path().join(format!("logs/{c}.log")))
+                    .unwrap_or_default();
+            let lines: Vec<_> = text.lines().collect();
+            s += &format!("--- {c}.log (last 15 lines)\n");
+            for l in &lines[lines.len().saturating_sub(15)..] {
+                s += l;
+                s.push('\n');
+            }
+        }
+        s
+    }
+}
+
+impl Drop for RealNode {
+    fn drop(&mut self) {
+        self.forwarder.abort();
+        let out = self.try_script(&["down"]);
+        if !out.status.success() {
+            eprintln!(
+                "scripts/real-node down failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
+/// Accepts on the test's loopback and connects each client to the API server inside the node.
+async fn forward(listener: tokio::net::TcpListener, netns: Arc<Mutex<Option<Netns>>>) {
+    loop {
+        let Ok((mut downstream, _)) = listener.accept().await else {
+            return;
+        };
+        let ns = netns.lock().unwrap().as_ref().map(|n| n.try_clone().unwrap());
+        tokio::spawn(async move {
+            let Some(ns) = ns else { return };
+            let upstream = tokio::task::spawn_blocking(move || {
+                ns.run(|| std::net::TcpStream::connect("127.0.0.1:443"))
+            })
+            .await;
+            let Ok(Ok(Ok(upstream))) = upstream else {
+                return;
+            };
+            upstream.set_nonblocking(true).unwrap();
+            let mut upstream = tokio::net::TcpStream::from_std(upstream).unwrap();
+            let _ = tokio::io::copy_bidirectional(&mut downstream, &mut upstream).await;
+        });
+    }
+}

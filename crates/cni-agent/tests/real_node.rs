@@ -1,0 +1,492 @@
+//! The real-node suite: our chart installed with helm onto a real Kubernetes node
+//! (`scripts/real-node`: kubelet, containerd, runc, controller-manager, scheduler), the agent and
+//! a ztunnel-like peer running as DaemonSet pods, and every pod started by kubelet through
+//! containerd → libcni → bridge → `istio-cni` → agent → ZDS.
+//!
+//! Each pod's first act is the witness: its container connects to a closed port on the node
+//! (the bridge gateway). Redirected, the connection lands on a proxy listener in the pod and
+//! succeeds (`REDIRECTED`); unredirected it is refused (`DIRECT`). A pod that ever printed
+//! `DIRECT` in the mesh started unredirected.
+//!
+//! Needs root, the node binaries (`tools/k8s-node/build.sh`) and the images
+//! (`scripts/node-images`, or `REAL_NODE_IMAGES`). The tests run one node at a time.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use cni_agent::testing::real_node::{NODE_NAME, RealNode};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
+const REDIRECTION: &str = "ambient.istio.io/redirection";
+const CHART: &str = "deploy/charts/istio-cni";
+const VALUES: &str = "deploy/node/values-real-node.yaml";
+const PEER: &str = "deploy/node/ztunnel-peer.yaml";
+const CONFLIST: &str = "/etc/cni/net.d/10-bridge.conflist";
+const PEER_STATUS: &str = "/var/run/ztunnel-peer/status.json";
+/// The bridge gateway: the node itself, where nothing listens on the discard port.
+const WITNESS: &str = "if nc -w 2 10.244.0.1 9 </dev/null; then echo REDIRECTED; else echo DIRECT; fi";
+
+/// One node at a time: a node is several hundred MB of processes and most of a core to start.
+static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn repo_path(p: &str) -> String {
+    format!("{}/../../{p}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Installs the chart and the peer, and waits until both DaemonSets are rolled out.
+async fn install(node: &RealNode) {
+    node.helm(&[
+        "install",
+        "istio-cni",
+        &repo_path(CHART),
+        "-n",
+        "istio-system",
+        "--create-namespace",
+        "-f",
+        &repo_path(VALUES),
+    ]);
+    node.kubectl(&["apply", "-f", &repo_path(PEER)]);
+    rollout(node, "istio-cni-node").await;
+    rollout(node, "ztunnel").await;
+}
+
+async fn rollout(node: &RealNode, ds: &str) {
+    let ds = format!("ds/{ds}");
+    node.eventually(&format!("{ds} rolled out"), Duration::from_secs(90), || {
+        let out = node.try_script(&[
+            "kubectl",
+            "-n",
+            "istio-system",
+            "rollout",
+            "status",
+            &ds,
+            "--timeout=2s",
+        ]);
+        async move { out.status.success().then_some(()) }
+    })
+    .await;
+}
+
+async fn namespace(node: &RealNode, name: &str, ambient: bool) {
+    let mut labels = BTreeMap::new();
+    if ambient {
+        labels.insert(AMBIENT.0.to_string(), AMBIENT.1.to_string());
+    }
+    let ns: Namespace = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": labels}
+    }))
+    .unwrap();
+    Api::<Namespace>::all(node.client())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+}
+
+async fn label_namespace(node: &RealNode, name: &str, ambient: bool) {
+    let value = if ambient { json!(AMBIENT.1) } else { Value::Null };
+    let patch = json!({"metadata": {"labels": {AMBIENT.0: value}}});
+    Api::<Namespace>::all(node.client())
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+}
+
+/// A busybox pod whose container runs the witness, then `then` (default: sleep).
+fn pod(name: &str, then: &str) -> Value {
+    json!({
+        "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "app",
+                "image": "localhost/istio-cni-rs/busybox:dev",
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", format!("{WITNESS}; {then}")]
+            }]
+        }
+    })
+}
+
+/// An injected sidecar pod: Istio's status annotation and an `istio-proxy` container, which here
+/// listens on the sidecar's outbound port 15001 where Envoy would.
+/// The app retries its witness for a few seconds: its proxy container starts after it.
+fn sidecar_pod(name: &str) -> Value {
+    let mut p = pod(name, "sleep 3600");
+    p["metadata"]["annotations"] =
+        json!({"sidecar.istio.io/status": "{\"containers\":[\"istio-proxy\"]}"});
+    let retried = format!(
+        "for i in 1 2 3 4 5 6 7 8 9 10; do nc -w 1 10.244.0.1 9 </dev/null && break; sleep 0.5; done; \
+         {WITNESS}; sleep 3600"
+    );
+    p["spec"]["containers"][0]["command"] = json!(["sh", "-c", retried]);
+    p["spec"]["containers"].as_array_mut().unwrap().push(json!({
+        "name": "istio-proxy",
+        "image": "localhost/istio-cni-rs/busybox:dev",
+        "imagePullPolicy": "Never",
+        "command": ["nc", "-ll", "-p", "15001", "-e", "true"]
+    }));
+    p
+}
+
+async fn create(node: &RealNode, ns: &str, pod: Value) -> String {
+    let pod: Pod = serde_json::from_value(pod).unwrap();
+    let created = Api::<Pod>::namespaced(node.client(), ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+    created.metadata.uid.unwrap()
+}
+
+async fn get(node: &RealNode, ns: &str, name: &str) -> Option<Pod> {
+    Api::<Pod>::namespaced(node.client(), ns)
+        .get_opt(name)
+        .await
+        .unwrap()
+}
+
+fn running(p: &Pod) -> bool {
+    let st = p.status.as_ref();
+    st.and_then(|s| s.phase.as_deref()) == Some("Running")
+        && st
+            .and_then(|s| s.container_statuses.as_ref())
+            .is_some_and(|cs| cs.iter().all(|c| c.ready))
+}
+
+fn annotation(p: &Pod, key: &str) -> Option<String> {
+    p.metadata.annotations.as_ref()?.get(key).cloned()
+}
+
+async fn wait_running(node: &RealNode, ns: &str, name: &str) -> Pod {
+    node.eventually(
+        &format!("pod {ns}/{name} Running"),
+        Duration::from_secs(90),
+        || async {
+            get(node, ns, name)
+                .await
+                .filter(|p| running(p) && p.status.as_ref().unwrap().pod_ip.is_some())
+        },
+    )
+    .await
+}
+
+async fn wait_redirection(node: &RealNode, ns: &str, name: &str, want: Option<&str>) {
+    node.eventually(
+        &format!("{ns}/{name} redirection {want:?}"),
+        Duration::from_secs(60),
+        || async {
+            let p = get(node, ns, name).await?;
+            (annotation(&p, REDIRECTION).as_deref() == want).then_some(())
+        },
+    )
+    .await
+}
+
+/// What the current container of `name` printed first.
+fn witness(node: &RealNode, ns: &str, name: &str) -> String {
+    let logs = node.kubectl(&["-n", ns, "logs", name, "-c", "app"]);
+    logs.lines()
+        .rfind(|l| *l == "REDIRECTED" || *l == "DIRECT")
+        .unwrap_or_else(|| panic!("{ns}/{name} printed no witness: {logs:?}"))
+        .to_string()
+}
+
+/// The peer's view: pod UID → (state, connections through its listeners).
+fn peer_workloads(node: &RealNode) -> BTreeMap<String, (String, u64)> {
+    let Some(text) = node.read(PEER_STATUS) else {
+        return BTreeMap::new();
+    };
+    let st: Value = serde_json::from_str(&text).unwrap_or_default();
+    st["workloads"]
+        .as_object()
+        .map(|w| {
+            w.iter()
+                .map(|(uid, v)| {
+                    (
+                        uid.clone(),
+                        (
+                            v["state"].as_str().unwrap_or_default().to_string(),
+                            v["connections"].as_u64().unwrap_or_default(),
+                        ),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn wait_peer_has(node: &RealNode, uid: &str, present: bool) {
+    node.eventually(
+        &format!("peer has {uid}: {present}"),
+        Duration::from_secs(60),
+        || async { (peer_workloads(node).contains_key(uid) == present).then_some(()) },
+    )
+    .await
+}
+
+/// Pod network namespaces on the node (containerd's, under the node's own /run/netns).
+fn netns_count(node: &RealNode) -> usize {
+    let out = node.script(&["exec", "ls", "/run/netns"]);
+    out.lines().filter(|l| l.starts_with("cni-")).count()
+}
+
+async fn delete(node: &RealNode, ns: &str, name: &str) {
+    Api::<Pod>::namespaced(node.client(), ns)
+        .delete(name, &DeleteParams::default())
+        .await
+        .unwrap();
+    node.eventually(
+        &format!("{ns}/{name} deleted"),
+        Duration::from_secs(60),
+        || async { get(node, ns, name).await.is_none().then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_node() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let node = RealNode::up().await;
+    let before = node.read(CONFLIST).expect("the node's bridge conflist");
+    let netns_before = netns_count(&node);
+    install(&node).await;
+    let chained = node.read(CONFLIST).unwrap();
+    assert!(chained.contains("\"type\": \"istio-cni\""), "{chained}");
+
+    namespace(&node, "mesh", true).await;
+    namespace(&node, "plain", false).await;
+    let server = create(
+        &node,
+        "mesh",
+        pod(
+            "server",
+            "mkdir /www; echo hello > /www/index.html; httpd -f -p 8080 -h /www",
+        ),
+    )
+    .await;
+    let client = create(&node, "mesh", pod("client", "sleep 3600")).await;
+    let plain = create(&node, "plain", pod("plain", "sleep 3600")).await;
+    create(&node, "plain", sidecar_pod("sidecar")).await;
+    let server_pod = wait_running(&node, "mesh", "server").await;
+    assert_eq!(
+        server_pod.spec.as_ref().unwrap().node_name.as_deref(),
+        Some(NODE_NAME),
+        "scheduled by kube-scheduler onto the node"
+    );
+    wait_running(&node, "mesh", "client").await;
+    wait_running(&node, "plain", "plain").await;
+    wait_running(&node, "plain", "sidecar").await;
+
+    for name in ["server", "client"] {
+        let p = get(&node, "mesh", name).await.unwrap();
+        assert_eq!(annotation(&p, REDIRECTION).as_deref(), Some("enabled"));
+        assert_eq!(witness(&node, "mesh", name), "REDIRECTED", "{name}");
+    }
+    assert_eq!(witness(&node, "plain", "plain"), "DIRECT");
+    assert_eq!(
+        witness(&node, "plain", "sidecar"),
+        "REDIRECTED",
+        "the plugin's sidecar rules send the app's outbound to 15001"
+    );
+    let w = peer_workloads(&node);
+    assert!(w.contains_key(&server) && w.contains_key(&client), "{w:?}");
+    assert!(!w.contains_key(&plain), "{w:?}");
+
+    // App traffic through the peer: kubectl exec (API server → kubelet → containerd), then the
+    // client's outbound through its 15001 and the server's inbound through its 15006.
+    let ip = server_pod.status.unwrap().pod_ip.unwrap();
+    // (nc, not wget: busybox-static's wget looks its service up through glibc's NSS and crashes.)
+    let response = node.kubectl(&[
+        "-n",
+        "mesh",
+        "exec",
+        "client",
+        "--",
+        "sh",
+        "-c",
+        &format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {ip} 8080"),
+    ]);
+    assert!(
+        response.starts_with("HTTP/1.") && response.ends_with("\r\n\r\nhello\n"),
+        "{response:?}"
+    );
+    // Each pod's witness went out through its 15001; then the request out of the client's 15001
+    // and into the server's 15006.
+    node.eventually(
+        "the request counted by the peer's in-pod listeners",
+        Duration::from_secs(10),
+        || async {
+            let w = peer_workloads(&node);
+            (w[&client].1 >= 2 && w[&server].1 >= 2).then_some(())
+        },
+    )
+    .await;
+
+    // Out of the mesh and back, by namespace label, for running pods.
+    label_namespace(&node, "mesh", false).await;
+    wait_redirection(&node, "mesh", "client", None).await;
+    wait_peer_has(&node, &client, false).await;
+    label_namespace(&node, "mesh", true).await;
+    wait_redirection(&node, "mesh", "client", Some("enabled")).await;
+    wait_peer_has(&node, &client, true).await;
+
+    // Pod delete: kubelet's DEL through the chain; the peer is told, the netns goes.
+    for (ns, name) in [
+        ("mesh", "server"),
+        ("mesh", "client"),
+        ("plain", "plain"),
+        ("plain", "sidecar"),
+    ] {
+        delete(&node, ns, name).await;
+    }
+    wait_peer_has(&node, &server, false).await;
+    wait_peer_has(&node, &client, false).await;
+    node.eventually(
+        "every pod netns removed",
+        Duration::from_secs(30),
+        || async { (netns_count(&node) == netns_before).then_some(()) },
+    )
+    .await;
+
+    // helm uninstall: the node's CNI config byte for byte as it was, the plugin gone.
+    node.kubectl(&["-n", "istio-system", "delete", "ds", "ztunnel"]);
+    node.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
+    node.eventually(
+        "conflist restored",
+        Duration::from_secs(60),
+        || async { (node.read(CONFLIST).as_deref() == Some(before.as_str())).then_some(()) },
+    )
+    .await;
+    assert!(node.read("/opt/cni/bin/istio-cni").is_none());
+    // And the node still starts pods, unredirected.
+    namespace(&node, "after", true).await;
+    create(&node, "after", pod("late", "sleep 3600")).await;
+    wait_running(&node, "after", "late").await;
+    assert_eq!(witness(&node, "after", "late"), "DIRECT");
+}
+
+/// Creates ambient pods `<prefix>-0..n` one after another while `during` runs, then checks that
+/// every one is Running, redirected, known to the peer, and that none ever started unredirected.
+async fn create_while<F: std::future::Future<Output = ()>>(
+    node: &RealNode,
+    ns: &str,
+    prefix: &str,
+    n: usize,
+    during: F,
+) {
+    let creating = async {
+        for i in 0..n {
+            create(node, ns, pod(&format!("{prefix}-{i}"), "sleep 3600")).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    };
+    tokio::join!(creating, during);
+    for i in 0..n {
+        let name = format!("{prefix}-{i}");
+        let p = wait_running(node, ns, &name).await;
+        wait_redirection(node, ns, &name, Some("enabled")).await;
+        assert_eq!(witness(node, ns, &name), "REDIRECTED", "{ns}/{name}");
+        wait_peer_has(node, p.metadata.uid.as_deref().unwrap(), true).await;
+    }
+}
+
+async fn agent_pod(node: &RealNode) -> String {
+    node.kubectl(&[
+        "-n",
+        "istio-system",
+        "get",
+        "pods",
+        "-l",
+        "k8s-app=istio-cni-node",
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let node = RealNode::up().await;
+    install(&node).await;
+    namespace(&node, "mesh", true).await;
+    create(&node, "mesh", pod("steady", "sleep 3600")).await;
+    wait_running(&node, "mesh", "steady").await;
+    wait_redirection(&node, "mesh", "steady", Some("enabled")).await;
+
+    // helm upgrade rolls the agent's DaemonSet (old pod gone before the new one is up) while
+    // pods are being created: their ADDs fail closed until the new agent serves.
+    let old_agent = agent_pod(&node).await;
+    create_while(&node, "mesh", "upgrade", 6, async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        node.helm(&[
+            "upgrade",
+            "istio-cni",
+            &repo_path(CHART),
+            "-n",
+            "istio-system",
+            "-f",
+            &repo_path(VALUES),
+            "--set",
+            "podAnnotations.rollout=2",
+        ]);
+        rollout(&node, "istio-cni-node").await;
+    })
+    .await;
+    assert_ne!(agent_pod(&node).await, old_agent, "the upgrade replaced the agent pod");
+    assert_eq!(witness(&node, "mesh", "steady"), "REDIRECTED");
+
+    // kubelet and containerd restarts: running pods stay as they are, new pods still start
+    // through the chain.
+    for component in ["kubelet", "containerd"] {
+        node.restart(component).await;
+        let name = format!("after-{component}");
+        create(&node, "mesh", pod(&name, "sleep 3600")).await;
+        wait_running(&node, "mesh", &name).await;
+        wait_redirection(&node, "mesh", &name, Some("enabled")).await;
+        assert_eq!(witness(&node, "mesh", &name), "REDIRECTED", "{name}");
+        let steady = get(&node, "mesh", "steady").await.unwrap();
+        assert!(running(&steady), "{component} restart disturbed a running pod");
+    }
+
+    // The agent pod killed: the DaemonSet brings it back; pods created meanwhile fail closed.
+    let agent = agent_pod(&node).await;
+    create_while(&node, "mesh", "killed", 3, async {
+        node.kubectl(&[
+            "-n",
+            "istio-system",
+            "delete",
+            "pod",
+            &agent,
+            "--grace-period=0",
+            "--force",
+        ]);
+        rollout(&node, "istio-cni-node").await;
+    })
+    .await;
+
+    // Reboot: every process and pod netns gone; kubelet recreates each sandbox through the
+    // chain, ambient ones only once the agent (itself a pod again) is back.
+    node.stop();
+    node.start().await;
+    rollout(&node, "istio-cni-node").await;
+    rollout(&node, "ztunnel").await;
+    for name in ["steady", "upgrade-0", "after-kubelet", "killed-0"] {
+        node.eventually(
+            &format!("mesh/{name} restarted after reboot"),
+            Duration::from_secs(120),
+            || async {
+                let p = get(&node, "mesh", name).await?;
+                let restarted = p.status.as_ref()?.container_statuses.as_ref()?[0].restart_count;
+                (running(&p) && restarted >= 1).then_some(())
+            },
+        )
+        .await;
+        assert_eq!(witness(&node, "mesh", name), "REDIRECTED", "{name} after reboot");
+    }
+    let uid = get(&node, "mesh", "steady").await.unwrap().metadata.uid.unwrap();
+    wait_peer_has(&node, &uid, true).await;
+}
