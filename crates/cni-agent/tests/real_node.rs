@@ -27,7 +27,8 @@ const PEER: &str = "deploy/node/ztunnel-peer.yaml";
 const CONFLIST: &str = "/etc/cni/net.d/10-bridge.conflist";
 const PEER_STATUS: &str = "/var/run/ztunnel-peer/status.json";
 /// The bridge gateway: the node itself, where nothing listens on the discard port.
-const WITNESS: &str = "if nc -w 2 10.244.0.1 9 </dev/null; then echo REDIRECTED; else echo DIRECT; fi";
+const WITNESS: &str =
+    "if nc -w 2 10.244.0.1 9 </dev/null; then echo REDIRECTED; else echo DIRECT; fi";
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
 static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -86,7 +87,11 @@ async fn namespace(node: &RealNode, name: &str, ambient: bool) {
 }
 
 async fn label_namespace(node: &RealNode, name: &str, ambient: bool) {
-    let value = if ambient { json!(AMBIENT.1) } else { Value::Null };
+    let value = if ambient {
+        json!(AMBIENT.1)
+    } else {
+        Value::Null
+    };
     let patch = json!({"metadata": {"labels": {AMBIENT.0: value}}});
     Api::<Namespace>::all(node.client())
         .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -354,11 +359,9 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     // helm uninstall: the node's CNI config byte for byte as it was, the plugin gone.
     node.kubectl(&["-n", "istio-system", "delete", "ds", "ztunnel"]);
     node.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
-    node.eventually(
-        "conflist restored",
-        Duration::from_secs(60),
-        || async { (node.read(CONFLIST).as_deref() == Some(before.as_str())).then_some(()) },
-    )
+    node.eventually("conflist restored", Duration::from_secs(60), || async {
+        (node.read(CONFLIST).as_deref() == Some(before.as_str())).then_some(())
+    })
     .await;
     assert!(node.read("/opt/cni/bin/istio-cni").is_none());
     // And the node still starts pods, unredirected.
@@ -430,13 +433,17 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
             "istio-system",
             "-f",
             &repo_path(VALUES),
-            "--set",
+            "--set-string",
             "podAnnotations.rollout=2",
         ]);
         rollout(&node, "istio-cni-node").await;
     })
     .await;
-    assert_ne!(agent_pod(&node).await, old_agent, "the upgrade replaced the agent pod");
+    assert_ne!(
+        agent_pod(&node).await,
+        old_agent,
+        "the upgrade replaced the agent pod"
+    );
     assert_eq!(witness(&node, "mesh", "steady"), "REDIRECTED");
 
     // kubelet and containerd restarts: running pods stay as they are, new pods still start
@@ -449,7 +456,10 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
         wait_redirection(&node, "mesh", &name, Some("enabled")).await;
         assert_eq!(witness(&node, "mesh", &name), "REDIRECTED", "{name}");
         let steady = get(&node, "mesh", "steady").await.unwrap();
-        assert!(running(&steady), "{component} restart disturbed a running pod");
+        assert!(
+            running(&steady),
+            "{component} restart disturbed a running pod"
+        );
     }
 
     // The agent pod killed: the DaemonSet brings it back; pods created meanwhile fail closed.
@@ -485,8 +495,111 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
             },
         )
         .await;
-        assert_eq!(witness(&node, "mesh", name), "REDIRECTED", "{name} after reboot");
+        assert_eq!(
+            witness(&node, "mesh", name),
+            "REDIRECTED",
+            "{name} after reboot"
+        );
     }
-    let uid = get(&node, "mesh", "steady").await.unwrap().metadata.uid.unwrap();
+    let uid = get(&node, "mesh", "steady")
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
     wait_peer_has(&node, &uid, true).await;
+}
+
+/// `scripts/real-node up` in a fresh directory with extra environment; returns (success, stderr).
+fn up_with(dir: &std::path::Path, env: &[(&str, String)]) -> (bool, String) {
+    let mut cmd = std::process::Command::new(repo_path("scripts/real-node"));
+    cmd.arg("up")
+        .env("REAL_NODE_DIR", dir)
+        .stdin(std::process::Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Processes whose command line names `dir`: whatever a node there started.
+fn processes_under(dir: &std::path::Path) -> Vec<String> {
+    let needle = dir.to_str().unwrap().as_bytes();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let cmdline = std::fs::read(e.ok()?.path().join("cmdline")).ok()?;
+            cmdline
+                .windows(needle.len())
+                .any(|w| w == needle)
+                .then(|| String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn missing_tool_is_named_and_nothing_starts() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let empty = tempfile::tempdir().unwrap();
+    let (ok, err) = up_with(
+        dir.path(),
+        &[(
+            "REAL_NODE_CNI_PLUGINS",
+            empty.path().to_str().unwrap().into(),
+        )],
+    );
+    assert!(!ok);
+    let bridge = format!("{}/bridge", empty.path().display());
+    assert!(
+        err.contains("missing tools") && err.contains(&bridge),
+        "{err}"
+    );
+    assert!(!dir.path().join("run/holder.pid").exists());
+    assert!(processes_under(dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn failed_component_start_names_it_and_tears_down_the_rest() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    // A containerd that fails the way a broken one does: a message, then exit 1.
+    let fake = tempfile::tempdir().unwrap();
+    let containerd = fake.path().join("containerd");
+    std::fs::write(
+        &containerd,
+        "#!/bin/sh\necho 'containerd: failed to load plugin: broken on purpose' >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &containerd,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let path = format!(
+        "{}:{}",
+        fake.path().display(),
+        std::env::var("PATH").unwrap()
+    );
+    let (ok, err) = up_with(dir.path(), &[("PATH", path)]);
+    assert!(!ok);
+    assert!(
+        err.contains("containerd exited during start") && err.contains("broken on purpose"),
+        "{err}"
+    );
+    // etcd and the API server had started: they are gone again, with the node's cgroups.
+    assert!(
+        processes_under(dir.path()).is_empty(),
+        "{:?}",
+        processes_under(dir.path())
+    );
+    assert!(!dir.path().join("run").exists());
+    let logs = std::fs::read_to_string(dir.path().join("logs/kube-apiserver.log")).unwrap();
+    assert!(!logs.is_empty(), "the API server ran before containerd");
 }

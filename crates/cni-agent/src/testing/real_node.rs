@@ -47,7 +47,12 @@ pub fn images_dir() -> PathBuf {
             .stdout(Stdio::null())
             .status()
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        assert!(status.success(), "{} build {} failed", script.display(), out.display());
+        assert!(
+            status.success(),
+            "{} build {} failed",
+            script.display(),
+            out.display()
+        );
         out
     })
     .clone()
@@ -222,9 +227,8 @@ impl RealNode {
     pub fn log_tails(&self, components: &[&str]) -> String {
         let mut s = String::new();
         for c in components {
-            let text =
-                std::fs::read_to_string(self.dir.path().join(format!("logs/{c}.log")))
-                    .unwrap_or_default();
+            let text = std::fs::read_to_string(self.dir.path().join(format!("logs/{c}.log")))
+                .unwrap_or_default();
             let lines: Vec<_> = text.lines().collect();
             s += &format!("--- {c}.log (last 15 lines)\n");
             for l in &lines[lines.len().saturating_sub(15)..] {
@@ -255,7 +259,11 @@ async fn forward(listener: tokio::net::TcpListener, netns: Arc<Mutex<Option<Netn
         let Ok((mut downstream, _)) = listener.accept().await else {
             return;
         };
-        let ns = netns.lock().unwrap().as_ref().map(|n| n.try_clone().unwrap());
+        let ns = netns
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|n| n.try_clone().unwrap());
         tokio::spawn(async move {
             let Some(ns) = ns else { return };
             let upstream = tokio::task::spawn_blocking(move || {
