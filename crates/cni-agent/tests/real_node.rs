@@ -462,7 +462,15 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
         );
     }
 
-    // The agent pod killed: the DaemonSet brings it back; pods created meanwhile fail closed.
+    // The agent killed: its process (SIGKILL; kubelet restarts the container), then its pod
+    // (deleted; the DaemonSet makes a new one). Pods created meanwhile fail closed until it is
+    // back. (Not `--force --grace-period=0`: the pod object vanishes at once, its bound token
+    // with it, and the stopping agent reads the 401 as an uninstall: see the suite's report.)
+    create_while(&node, "mesh", "crashed", 3, async {
+        node.script(&["exec", "pkill", "-KILL", "-x", "install-cni"]);
+        rollout(&node, "istio-cni-node").await;
+    })
+    .await;
     let agent = agent_pod(&node).await;
     create_while(&node, "mesh", "killed", 3, async {
         node.kubectl(&[
@@ -471,12 +479,16 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
             "delete",
             "pod",
             &agent,
-            "--grace-period=0",
-            "--force",
+            "--wait=false",
         ]);
         rollout(&node, "istio-cni-node").await;
     })
     .await;
+    assert_ne!(
+        agent_pod(&node).await,
+        agent,
+        "the DaemonSet replaced the agent pod"
+    );
 
     // Reboot: every process and pod netns gone; kubelet recreates each sandbox through the
     // chain, ambient ones only once the agent (itself a pod again) is back.
@@ -484,7 +496,13 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
     node.start().await;
     rollout(&node, "istio-cni-node").await;
     rollout(&node, "ztunnel").await;
-    for name in ["steady", "upgrade-0", "after-kubelet", "killed-0"] {
+    for name in [
+        "steady",
+        "upgrade-0",
+        "after-kubelet",
+        "crashed-0",
+        "killed-0",
+    ] {
         node.eventually(
             &format!("mesh/{name} restarted after reboot"),
             Duration::from_secs(120),
