@@ -13,6 +13,11 @@ use std::time::{Duration, Instant};
 
 use dataplane::netns::Netns;
 
+/// Our chart, and the real node's values file and peer DaemonSet for it.
+pub const CHART: &str = "deploy/charts/istio-cni";
+pub const VALUES: &str = "deploy/node/values-real-node.yaml";
+pub const PEER: &str = "deploy/node/ztunnel-peer.yaml";
+
 /// The node's name in the cluster (`scripts/real-node`).
 pub const NODE_NAME: &str = "real-node";
 
@@ -200,6 +205,39 @@ impl RealNode {
                 kube::Client::try_from(cfg).expect("admin client")
             })
             .clone()
+    }
+
+    /// Installs our chart with `deploy/node/values-real-node.yaml` (plus `extra` helm arguments)
+    /// and the ztunnel-like peer of `deploy/node/ztunnel-peer.yaml`, and waits until both
+    /// DaemonSets are rolled out.
+    pub async fn install_chart(&self, extra: &[&str]) {
+        let path = |p: &str| repo().join(p).to_str().unwrap().to_string();
+        let (chart, values) = (path(CHART), path(VALUES));
+        let mut args = vec!["install", "istio-cni", &chart, "-n", "istio-system"];
+        args.extend(["--create-namespace", "-f", &values]);
+        args.extend_from_slice(extra);
+        self.helm(&args);
+        self.kubectl(&["apply", "-f", &path(PEER)]);
+        self.rollout("istio-cni-node").await;
+        self.rollout("ztunnel").await;
+    }
+
+    /// Waits until DaemonSet `ds` of istio-system is rolled out.
+    pub async fn rollout(&self, ds: &str) {
+        let ds = format!("ds/{ds}");
+        self.eventually(&format!("{ds} rolled out"), Duration::from_secs(90), || {
+            let out = self.try_script(&[
+                "kubectl",
+                "-n",
+                "istio-system",
+                "rollout",
+                "status",
+                &ds,
+                "--timeout=2s",
+            ]);
+            async move { out.status.success().then_some(()) }
+        })
+        .await;
     }
 
     /// Waits until `check` returns `Some`, or panics after `timeout` naming `what`.

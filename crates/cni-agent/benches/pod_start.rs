@@ -1,0 +1,239 @@
+//! Pod create → Running through a real kubelet (`scripts/real-node`): kubelet → containerd →
+//! libcni → bridge → `istio-cni` → agent → ZDS peer, with our chart installed by helm and the
+//! ztunnel-like peer as a DaemonSet, both from the images `scripts/node-images` builds. Ambient
+//! pods against non-mesh pods in the same node, 50 pods one at a time and 50 created at once:
+//! p50/p99 of the time from a pod's POST until the API server reports it Running (the ambient
+//! pod's redirection and ZDS hand-off happen inside its sandbox's CNI ADD, before that).
+//! Needs root; the node binaries and images are built on first use.
+//! Run: `cargo bench -p cni-agent --bench pod_start`. Prints one markdown table for BENCHMARKS.md.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cni_agent::testing::real_node::RealNode;
+use futures::StreamExt;
+use futures::future::join_all;
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::runtime::watcher;
+use serde_json::json;
+
+const PODS: usize = 50;
+const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
+const REDIRECTION: &str = "ambient.istio.io/redirection";
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1000.0
+}
+
+/// When each pod of a namespace was first seen Running.
+#[derive(Clone, Default)]
+struct Running {
+    seen: Arc<Mutex<HashMap<String, Instant>>>,
+    changed: Arc<tokio::sync::Notify>,
+}
+
+impl Running {
+    fn watch(client: kube::Client, namespace: &str) -> Running {
+        let running = Running::default();
+        let api: Api<Pod> = Api::namespaced(client, namespace);
+        let r = running.clone();
+        tokio::spawn(async move {
+            let mut events = watcher(api, watcher::Config::default()).boxed();
+            while let Some(event) = events.next().await {
+                let pods = match event {
+                    Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => vec![p],
+                    _ => continue,
+                };
+                let now = Instant::now();
+                for p in pods {
+                    let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                    if phase == Some("Running") {
+                        let name = p.metadata.name.clone().unwrap_or_default();
+                        r.seen.lock().unwrap().entry(name).or_insert(now);
+                    }
+                }
+                r.changed.notify_waiters();
+            }
+        });
+        running
+    }
+
+    async fn wait(&self, name: &str) -> Instant {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let notified = self.changed.notified();
+            if let Some(at) = self.seen.lock().unwrap().get(name) {
+                return *at;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pod {name} not Running after 120 s"
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(500), notified).await;
+        }
+    }
+}
+
+fn pod(name: &str) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "app",
+                "image": "localhost/istio-cni-rs/busybox:dev",
+                "imagePullPolicy": "Never",
+                "command": ["sleep", "3600"]
+            }]
+        }
+    }))
+    .unwrap()
+}
+
+/// Creates `names` (all at once when `burst`, else each after the previous one is Running);
+/// returns each pod's create → Running time, sorted.
+async fn create(api: &Api<Pod>, running: &Running, names: &[String], burst: bool) -> Vec<Duration> {
+    let one = |name: String| async move {
+        let started = Instant::now();
+        api.create(&PostParams::default(), &pod(&name))
+            .await
+            .unwrap();
+        running.wait(&name).await - started
+    };
+    let mut times = if burst {
+        join_all(names.iter().cloned().map(one)).await
+    } else {
+        let mut v = Vec::new();
+        for n in names {
+            v.push(one(n.clone()).await);
+        }
+        v
+    };
+    times.sort();
+    times
+}
+
+/// Failed sandbox creations (kubelet retries them) in a namespace, printed to stderr; their count.
+async fn sandbox_failures(client: &kube::Client, namespace: &str) -> usize {
+    let lp = ListParams::default().fields("reason=FailedCreatePodSandBox");
+    let events = Api::<Event>::namespaced(client.clone(), namespace)
+        .list(&lp)
+        .await
+        .unwrap();
+    for e in &events.items {
+        let pod = e.involved_object.name.as_deref().unwrap_or("?");
+        eprintln!("{namespace}/{pod}: {}", e.message.as_deref().unwrap_or(""));
+    }
+    events
+        .items
+        .iter()
+        .map(|e| e.count.unwrap_or(1) as usize)
+        .sum()
+}
+
+async fn delete_all(node: &RealNode, api: &Api<Pod>) {
+    let dp = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::default()
+    };
+    api.delete_collection(&dp, &ListParams::default())
+        .await
+        .unwrap();
+    node.eventually("pods deleted", Duration::from_secs(180), || async {
+        api.list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+}
+
+#[tokio::main]
+async fn main() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("pod_start bench: needs root (the node runs in namespaces of its own)");
+        std::process::exit(1);
+    }
+    let node = RealNode::up().await;
+    node.install_chart(&[]).await;
+    let client = node.client();
+
+    let mut rows = Vec::new();
+    for (label, ambient) in [("non-mesh", false), ("ambient", true)] {
+        let ns_name = format!("bench-{}", if ambient { "ambient" } else { "plain" });
+        let labels = if ambient {
+            json!({AMBIENT.0: AMBIENT.1})
+        } else {
+            json!({})
+        };
+        let ns: Namespace =
+            serde_json::from_value(json!({"metadata": {"name": ns_name, "labels": labels}}))
+                .unwrap();
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap();
+        let api: Api<Pod> = Api::namespaced(client.clone(), &ns_name);
+        let running = Running::watch(client.clone(), &ns_name);
+
+        // Warm-up: the first sandbox of a namespace also pays for caches filling.
+        create(
+            &api,
+            &running,
+            &["warmup-0".into(), "warmup-1".into()],
+            false,
+        )
+        .await;
+        for (mode, burst) in [("one at a time", false), ("50 at once", true)] {
+            let names: Vec<String> = (0..PODS)
+                .map(|i| format!("{}-{i}", if burst { "b" } else { "s" }))
+                .collect();
+            let times = create(&api, &running, &names, burst).await;
+            if ambient {
+                for n in &names {
+                    let p = api.get(n).await.unwrap();
+                    let value = p
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(REDIRECTION));
+                    assert_eq!(
+                        value.map(String::as_str),
+                        Some("enabled"),
+                        "pod {n} not redirected"
+                    );
+                }
+            }
+            let failures = sandbox_failures(&client, &ns_name).await;
+            let max = times.last().unwrap().as_secs_f64() * 1000.0;
+            rows.push((
+                label,
+                mode,
+                pct(&times, 0.5),
+                pct(&times, 0.99),
+                max,
+                failures,
+            ));
+            delete_all(&node, &api).await;
+            // Events outlive their pods: the next mode counts only its own.
+            let dp = DeleteParams::default();
+            Api::<Event>::namespaced(client.clone(), &ns_name)
+                .delete_collection(&dp, &ListParams::default())
+                .await
+                .unwrap();
+        }
+    }
+
+    println!(
+        "| pods ({PODS}) | created | create → Running p50 ms | p99 ms | max ms | failed sandbox creations |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (label, mode, p50, p99, max, failures) in rows {
+        println!("| {label} | {mode} | {p50:.0} | {p99:.0} | {max:.0} | {failures} |");
+    }
+}
