@@ -14,16 +14,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cni_agent::testing::real_node::{NODE_NAME, RealNode};
+use cni_agent::testing::real_node::{CHART, NODE_NAME, RealNode, VALUES};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
 const REDIRECTION: &str = "ambient.istio.io/redirection";
-const CHART: &str = "deploy/charts/istio-cni";
-const VALUES: &str = "deploy/node/values-real-node.yaml";
-const PEER: &str = "deploy/node/ztunnel-peer.yaml";
 const CONFLIST: &str = "/etc/cni/net.d/10-bridge.conflist";
 const PEER_STATUS: &str = "/var/run/ztunnel-peer/status.json";
 /// The bridge gateway: the node itself, where nothing listens on the discard port.
@@ -35,40 +32,6 @@ static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn repo_path(p: &str) -> String {
     format!("{}/../../{p}", env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Installs the chart and the peer, and waits until both DaemonSets are rolled out.
-async fn install(node: &RealNode) {
-    node.helm(&[
-        "install",
-        "istio-cni",
-        &repo_path(CHART),
-        "-n",
-        "istio-system",
-        "--create-namespace",
-        "-f",
-        &repo_path(VALUES),
-    ]);
-    node.kubectl(&["apply", "-f", &repo_path(PEER)]);
-    rollout(node, "istio-cni-node").await;
-    rollout(node, "ztunnel").await;
-}
-
-async fn rollout(node: &RealNode, ds: &str) {
-    let ds = format!("ds/{ds}");
-    node.eventually(&format!("{ds} rolled out"), Duration::from_secs(90), || {
-        let out = node.try_script(&[
-            "kubectl",
-            "-n",
-            "istio-system",
-            "rollout",
-            "status",
-            &ds,
-            "--timeout=2s",
-        ]);
-        async move { out.status.success().then_some(()) }
-    })
-    .await;
 }
 
 async fn namespace(node: &RealNode, name: &str, ambient: bool) {
@@ -257,7 +220,7 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     let node = RealNode::up().await;
     let before = node.read(CONFLIST).expect("the node's bridge conflist");
     let netns_before = netns_count(&node);
-    install(&node).await;
+    node.install_chart(&[]).await;
     let chained = node.read(CONFLIST).unwrap();
     assert!(chained.contains("\"type\": \"istio-cni\""), "{chained}");
 
@@ -414,7 +377,7 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
     dataplane::require_root!();
     let _one = ONE_NODE.lock().await;
     let node = RealNode::up().await;
-    install(&node).await;
+    node.install_chart(&[]).await;
     namespace(&node, "mesh", true).await;
     create(&node, "mesh", pod("steady", "sleep 3600")).await;
     wait_running(&node, "mesh", "steady").await;
@@ -436,7 +399,7 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
             "--set-string",
             "podAnnotations.rollout=2",
         ]);
-        rollout(&node, "istio-cni-node").await;
+        node.rollout("istio-cni-node").await;
     })
     .await;
     assert_ne!(
@@ -468,7 +431,7 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
     // with it, and the stopping agent reads the 401 as an uninstall: see the suite's report.)
     create_while(&node, "mesh", "crashed", 3, async {
         node.script(&["exec", "pkill", "-KILL", "-x", "install-cni"]);
-        rollout(&node, "istio-cni-node").await;
+        node.rollout("istio-cni-node").await;
     })
     .await;
     let agent = agent_pod(&node).await;
@@ -481,7 +444,7 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
             &agent,
             "--wait=false",
         ]);
-        rollout(&node, "istio-cni-node").await;
+        node.rollout("istio-cni-node").await;
     })
     .await;
     assert_ne!(
@@ -494,8 +457,8 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
     // chain, ambient ones only once the agent (itself a pod again) is back.
     node.stop();
     node.start().await;
-    rollout(&node, "istio-cni-node").await;
-    rollout(&node, "ztunnel").await;
+    node.rollout("istio-cni-node").await;
+    node.rollout("ztunnel").await;
     for name in [
         "steady",
         "upgrade-0",
