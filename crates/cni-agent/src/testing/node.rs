@@ -370,6 +370,13 @@ impl TestNode {
         self.agent = Some(child);
     }
 
+    /// Whether the agent process exited on its own (and its status), reaping it.
+    pub fn agent_exited(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.agent.as_mut()?.try_wait().ok()??;
+        self.agent = None;
+        Some(status)
+    }
+
     /// The running agent's PID.
     pub fn agent_pid(&self) -> Option<u32> {
         self.agent.as_ref().map(Child::id)

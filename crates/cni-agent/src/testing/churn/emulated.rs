@@ -73,6 +73,7 @@ pub struct EmulatedNode {
     reader: ConflistReader,
     /// Whether the agent is waiting to be checked for readiness (killed while the API failed).
     agent_unready: bool,
+    exits: u64,
 }
 
 fn peer_config(node: &TestNode) -> PeerConfig {
@@ -197,6 +198,23 @@ impl EmulatedNode {
             .await
             .unwrap();
         node.create_namespace(NAMESPACE, &[AMBIENT]).await;
+        // In a cluster the agent's DaemonSet exists, so an agent that exits keeps the plugin,
+        // its config entry and the host rules (the upgrade path) instead of uninstalling.
+        node.create_namespace("istio-system", &[]).await;
+        let ds: k8s_openapi::api::apps::v1::DaemonSet = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "istio-cni-node"},
+            "spec": {"selector": {"matchLabels": {"k8s-app": "istio-cni-node"}},
+                     "template": {"metadata": {"labels": {"k8s-app": "istio-cni-node"}},
+                                  "spec": {"containers": [{"name": "install-cni", "image": "install-cni"}]}}}
+        }))
+        .unwrap();
+        kube::Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(
+            node.kube.client(),
+            "istio-system",
+        )
+        .create(&Default::default(), &ds)
+        .await
+        .unwrap();
         let mut primary: Value = serde_json::from_str(&node.conflist()).unwrap();
         primary["plugins"]
             .as_array_mut()
@@ -216,6 +234,7 @@ impl EmulatedNode {
             rewriter: None,
             reader,
             agent_unready: false,
+            exits: 0,
         }
     }
 
@@ -225,6 +244,15 @@ impl EmulatedNode {
 
     fn peer(&self) -> &ZdsPeer {
         self.peer.as_ref().expect("peer running")
+    }
+
+    /// The kubelet's part: an agent that exited is started again.
+    fn revive(&mut self) {
+        if let Some(status) = self.node.agent_exited() {
+            self.exits += 1;
+            tracing::warn!(%status, log = %self.node.agent_log(), "churn: the agent exited; restarting it");
+            self.restart_agent();
+        }
     }
 
     fn restart_agent(&mut self) {
@@ -441,6 +469,7 @@ impl ChurnNode for EmulatedNode {
     }
 
     async fn create_pod(&mut self, name: &str, kill_agent_after: Option<Duration>) -> AddOutcome {
+        self.revive();
         let pod = self.node.create_pod_object(NAMESPACE, name, &[]).await;
         self.pods.insert(
             name.to_string(),
@@ -454,6 +483,7 @@ impl ChurnNode for EmulatedNode {
     }
 
     async fn retry_pod(&mut self, name: &str) -> AddOutcome {
+        self.revive();
         let entry = self.pods.get_mut(name).expect("pod known");
         let _ = self.node.sandbox_del(&entry.pod, None).await;
         entry.pod.netns = dataplane::test_support::TestNetns::new("pod");
@@ -524,6 +554,10 @@ impl ChurnNode for EmulatedNode {
     fn conflist_reads(&self) -> (u64, Vec<String>) {
         let reads = self.reader.reads.load(Ordering::Relaxed);
         (reads, self.reader.damaged.lock().unwrap().clone())
+    }
+
+    fn agent_exits(&self) -> u64 {
+        self.exits
     }
 
     fn sample(&self) -> Option<AgentSample> {
@@ -611,6 +645,7 @@ impl ChurnNode for EmulatedNode {
     }
 
     async fn wait_healthy(&mut self) {
+        self.revive();
         if self.agent_unready {
             self.node.wait_ready().await;
             self.agent_unready = false;
