@@ -162,6 +162,19 @@ async fn nack_fails_the_add_and_leaves_pending() {
         .to_string();
     assert!(err.contains("failure to start proxy"), "{err}");
     assert_eq!(node.redirection(&pod).await.as_deref(), Some("pending"));
+    // The runtime tears the failed sandbox down and retries with a new one: the agent keeps no
+    // handle on the old namespace (it would keep the dead sandbox alive).
+    use std::os::unix::fs::MetadataExt;
+    let ns = std::fs::metadata(pod.netns.path()).unwrap();
+    let pid = node.agent_pid().unwrap();
+    let held = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::metadata(e.ok()?.path()).ok())
+        .any(|m| m.dev() == ns.dev() && m.ino() == ns.ino());
+    assert!(
+        !held,
+        "the agent still holds the failed sandbox's namespace"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

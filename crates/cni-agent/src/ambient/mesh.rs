@@ -216,13 +216,31 @@ impl Mesh {
         ips: &[IpAddr],
         netns_path: Option<&str>,
     ) -> Result<(), MeshError> {
-        let pod_name = name(pod);
         let uid = pod
             .metadata
             .uid
             .clone()
-            .ok_or_else(|| MeshError::NoUid(pod_name.clone()))?;
+            .ok_or_else(|| MeshError::NoUid(name(pod)))?;
         let _pod_lock = self.locks.lock(&uid).await;
+        let added = self.add_locked(pod, &uid, ips, netns_path).await;
+        if added.is_err() && netns_path.is_some() {
+            // A failed ADD's sandbox is torn down by the runtime, which retries with a new one:
+            // holding its namespace would keep a dead sandbox alive, and the informer path could
+            // later enroll it instead of the pod's real one (found by the churn harness).
+            self.cache.take(&uid);
+        }
+        added
+    }
+
+    async fn add_locked(
+        &self,
+        pod: &Pod,
+        uid: &str,
+        ips: &[IpAddr],
+        netns_path: Option<&str>,
+    ) -> Result<(), MeshError> {
+        let pod_name = name(pod);
+        let uid = uid.to_string();
         let workload = workload_info(pod);
         let cfg = self.pod_config(pod)?;
 
