@@ -650,12 +650,25 @@ impl ChurnNode for EmulatedNode {
             self.node.wait_ready().await;
             self.agent_unready = false;
         }
-        self.peer()
-            .wait_for("peer connected with a snapshot", CONVERGE, |s| {
-                s.connected && s.snapshot_received
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", self.node.agent_log()));
+        // The agent may exit meanwhile (a full run dir it only notices now): start it again.
+        let deadline = Instant::now() + CONVERGE;
+        loop {
+            let st = self.peer().status();
+            if st.connected && st.snapshot_received {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "peer not connected with a snapshot after {CONVERGE:?}: {st:#?}\n{}",
+                self.node.agent_log()
+            );
+            self.revive();
+            if self.agent_unready {
+                self.node.wait_ready().await;
+                self.agent_unready = false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
 
