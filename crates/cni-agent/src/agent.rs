@@ -152,16 +152,20 @@ pub async fn run(
         serve_http(addr, metrics_router(Arc::new(registry)), "metrics").await?;
     }
 
-    let result = tokio::select! {
-        r = installer.run() => r.map_err(anyhow::Error::from),
-        () = shutdown => Ok(()),
+    let (result, requested) = tokio::select! {
+        r = installer.run() => (r.map_err(anyhow::Error::from), false),
+        () = shutdown => (Ok(()), true),
     };
     install_flag.set(false);
 
-    let full_cleanup = match &node {
-        None => true,
-        Some(n) => !n.keep_for_upgrade().await,
-    };
+    // Only a requested stop can be an uninstall. An agent that fails (a full disk, an unwritable
+    // bin dir) is restarted by the kubelet: unchaining the plugin on the way out would let new
+    // ambient pods start unredirected until then, so the node stays as it is (fail closed).
+    let full_cleanup = requested
+        && match &node {
+            None => true,
+            Some(n) => !n.keep_for_upgrade().await,
+        };
     let _ = stop_tx.send(true);
     // A missing socket makes the plugin fail ambient pods at once (fail closed) instead of waiting.
     for socket in [
@@ -182,9 +186,13 @@ pub async fn run(
                 tracing::error!(error = %e, "host cleanup failed");
             }
         }
-    } else {
+    } else if requested {
         tracing::info!(
             "upgrade or reboot: leaving the plugin and host rules in place (new ambient pods wait for the new agent)"
+        );
+    } else {
+        tracing::warn!(
+            "the agent failed: leaving the plugin and host rules in place (new ambient pods wait for its restart)"
         );
     }
     // Let the ZDS server close its connections and unlink its socket.
@@ -242,6 +250,7 @@ struct AmbientNode {
     node_name: String,
     owned_config: bool,
     disable_safe_upgrade: bool,
+    daemonset: crate::ambient::upgrade::DaemonSetView,
 }
 
 impl AmbientNode {
@@ -252,6 +261,7 @@ impl AmbientNode {
                 &self.pod_namespace,
                 &self.node_name,
                 self.owned_config,
+                &self.daemonset,
             )
             .await
     }
@@ -412,6 +422,10 @@ async fn start_ambient(
 
     Ok(AmbientNode {
         dataplane,
+        daemonset: crate::ambient::upgrade::watch_daemonset(
+            setup.client.clone(),
+            &setup.pod_namespace,
+        ),
         client: setup.client,
         pod_namespace: setup.pod_namespace,
         node_name: cfg.node_name,

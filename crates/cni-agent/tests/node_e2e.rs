@@ -372,6 +372,37 @@ async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
     assert!(!node.path("bin/istio-cni").exists());
 }
 
+/// No DaemonSet exists, so a requested stop here would uninstall; an agent that fails is no
+/// uninstall: it leaves the plugin chained, so ambient pods wait for its restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_agent_leaves_the_plugin_chained() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Nftables).await;
+    let _peer = fast_peer(&node);
+    assert!(node.conflist().contains("istio-cni"));
+    // The installer's next pass cannot copy the plugin: its bin dir is now a file.
+    std::fs::rename(node.path("bin"), node.path("bin.moved")).unwrap();
+    std::fs::write(node.path("bin"), "not a directory").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = node.agent_exited() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent kept running without its bin dir:\n{}",
+            node.agent_log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(!status.success(), "{}", node.agent_log());
+    assert!(
+        node.conflist().contains("istio-cni"),
+        "a failing agent unchained the plugin:\n{}",
+        node.agent_log()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn app_traffic_goes_through_the_ztunnel_listeners() {
     dataplane::require_root!();

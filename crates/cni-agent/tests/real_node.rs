@@ -426,9 +426,9 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
     }
 
     // The agent killed: its process (SIGKILL; kubelet restarts the container), then its pod
-    // (deleted; the DaemonSet makes a new one). Pods created meanwhile fail closed until it is
-    // back. (Not `--force --grace-period=0`: the pod object vanishes at once, its bound token
-    // with it, and the stopping agent reads the 401 as an uninstall: see the suite's report.)
+    // (deleted; the DaemonSet makes a new one), then its pod force-deleted (the object, and the
+    // stopping agent's bound token with it, vanish at once: the DaemonSet watch must tell this
+    // from an uninstall). Pods created meanwhile fail closed until it is back.
     create_while(&node, "mesh", "crashed", 3, async {
         node.script(&["exec", "pkill", "-KILL", "-x", "install-cni"]);
         node.rollout("istio-cni-node").await;
@@ -451,6 +451,26 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
         agent_pod(&node).await,
         agent,
         "the DaemonSet replaced the agent pod"
+    );
+    let agent = agent_pod(&node).await;
+    create_while(&node, "mesh", "forced", 3, async {
+        node.kubectl(&[
+            "-n",
+            "istio-system",
+            "delete",
+            "pod",
+            &agent,
+            "--grace-period=0",
+            "--force",
+            "--wait=false",
+        ]);
+        node.rollout("istio-cni-node").await;
+    })
+    .await;
+    assert_ne!(
+        agent_pod(&node).await,
+        agent,
+        "the DaemonSet replaced the force-deleted agent pod"
     );
 
     // Reboot: every process and pod netns gone; kubelet recreates each sandbox through the
