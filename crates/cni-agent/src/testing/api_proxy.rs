@@ -136,8 +136,9 @@ async fn serve(down: TcpStream, shared: &Shared) {
     };
     let failing = *shared.failing.lock().unwrap();
     if let Some(status) = failing {
-        reject(&mut down, status).await;
+        // Counted before the answer goes out: a caller that got it must see it counted.
         shared.rejected.fetch_add(1, Ordering::Relaxed);
+        reject(&mut down, status).await;
         return;
     }
     let Ok(up) = TcpStream::connect(shared.upstream).await else {
