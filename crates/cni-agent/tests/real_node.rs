@@ -372,6 +372,31 @@ async fn agent_pod(node: &RealNode) -> String {
     ])
 }
 
+/// Deletes the agent's pod (with `how`'s extra `kubectl delete` flags) while ambient pods
+/// `<prefix>-0..3` are created; the DaemonSet replaces it and every pod ends up redirected.
+async fn delete_agent_pod_while_creating(node: &RealNode, prefix: &str, how: &[&str]) {
+    let agent = agent_pod(node).await;
+    create_while(node, "mesh", prefix, 3, async {
+        let mut args = vec![
+            "-n",
+            "istio-system",
+            "delete",
+            "pod",
+            &agent,
+            "--wait=false",
+        ];
+        args.extend_from_slice(how);
+        node.kubectl(&args);
+        node.rollout("istio-cni-node").await;
+    })
+    .await;
+    assert_ne!(
+        agent_pod(node).await,
+        agent,
+        "the DaemonSet replaced the agent pod ({prefix})"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
     dataplane::require_root!();
@@ -434,44 +459,8 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
         node.rollout("istio-cni-node").await;
     })
     .await;
-    let agent = agent_pod(&node).await;
-    create_while(&node, "mesh", "killed", 3, async {
-        node.kubectl(&[
-            "-n",
-            "istio-system",
-            "delete",
-            "pod",
-            &agent,
-            "--wait=false",
-        ]);
-        node.rollout("istio-cni-node").await;
-    })
-    .await;
-    assert_ne!(
-        agent_pod(&node).await,
-        agent,
-        "the DaemonSet replaced the agent pod"
-    );
-    let agent = agent_pod(&node).await;
-    create_while(&node, "mesh", "forced", 3, async {
-        node.kubectl(&[
-            "-n",
-            "istio-system",
-            "delete",
-            "pod",
-            &agent,
-            "--grace-period=0",
-            "--force",
-            "--wait=false",
-        ]);
-        node.rollout("istio-cni-node").await;
-    })
-    .await;
-    assert_ne!(
-        agent_pod(&node).await,
-        agent,
-        "the DaemonSet replaced the force-deleted agent pod"
-    );
+    delete_agent_pod_while_creating(&node, "killed", &[]).await;
+    delete_agent_pod_while_creating(&node, "forced", &["--grace-period=0", "--force"]).await;
 
     // Reboot: every process and pod netns gone; kubelet recreates each sandbox through the
     // chain, ambient ones only once the agent (itself a pod again) is back.
