@@ -63,6 +63,16 @@ pub fn images_dir() -> PathBuf {
     .clone()
 }
 
+/// Runs `scripts/real-node` on the node in `dir`.
+fn run_script(dir: &Path, args: &[&str]) -> Output {
+    Command::new(repo().join("scripts/real-node"))
+        .args(args)
+        .env("REAL_NODE_DIR", dir)
+        .stdin(Stdio::null())
+        .output()
+        .expect("scripts/real-node")
+}
+
 impl RealNode {
     /// Brings up a node with the images of [`images_dir`] imported, and waits until it is Ready.
     pub async fn up() -> Self {
@@ -106,12 +116,19 @@ impl RealNode {
     }
 
     pub fn try_script(&self, args: &[&str]) -> Output {
-        Command::new(repo().join("scripts/real-node"))
-            .args(args)
-            .env("REAL_NODE_DIR", self.dir.path())
-            .stdin(Stdio::null())
-            .output()
-            .expect("scripts/real-node")
+        run_script(self.dir.path(), args)
+    }
+
+    /// [`RealNode::try_script`] off the async workers, for the long-running commands.
+    async fn try_script_blocking(&self, args: &[&str]) -> Output {
+        let dir = self.dir.path().to_path_buf();
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run_script(&dir, &args)
+        })
+        .await
+        .unwrap()
     }
 
     /// kubectl as cluster admin inside the node.
@@ -139,17 +156,7 @@ impl RealNode {
     /// `scripts/real-node up`: starts every component (again, after [`RealNode::stop`]).
     pub async fn start(&self) {
         let images = self.images.to_str().unwrap().to_string();
-        let dir = self.dir.path().to_path_buf();
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new(repo().join("scripts/real-node"))
-                .args(["up", "--images", &images])
-                .env("REAL_NODE_DIR", &dir)
-                .stdin(Stdio::null())
-                .output()
-                .expect("scripts/real-node")
-        })
-        .await
-        .unwrap();
+        let out = self.try_script_blocking(&["up", "--images", &images]).await;
         assert!(
             out.status.success(),
             "scripts/real-node up failed:\n{}",
@@ -168,18 +175,7 @@ impl RealNode {
 
     /// Restarts one component (`kubelet`, `containerd`, ...) and waits until it works again.
     pub async fn restart(&self, component: &str) {
-        let dir = self.dir.path().to_path_buf();
-        let component = component.to_string();
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new(repo().join("scripts/real-node"))
-                .args(["restart", &component])
-                .env("REAL_NODE_DIR", &dir)
-                .stdin(Stdio::null())
-                .output()
-                .expect("scripts/real-node")
-        })
-        .await
-        .unwrap();
+        let out = self.try_script_blocking(&["restart", component]).await;
         assert!(
             out.status.success(),
             "restart failed:\n{}",
