@@ -14,8 +14,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cni_agent::testing::real_node::{CHART, NODE_NAME, RealNode, VALUES};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use cni_agent::testing::real_node::{CHART, NODE_NAME, RealNode, VALUES, ZTUNNEL};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
@@ -498,6 +498,165 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
         .uid
         .unwrap();
     wait_peer_has(&node, &uid, true).await;
+}
+
+/// The real ztunnel's metrics (`:15020` on its pod IP, from the node).
+fn ztunnel_metrics(node: &RealNode) -> String {
+    let ip = node.kubectl(&[
+        "-n",
+        "istio-system",
+        "get",
+        "pods",
+        "-l",
+        "app=ztunnel",
+        "-o",
+        "jsonpath={.items[0].status.podIP}",
+    ]);
+    let out = node.try_script(&["exec", "curl", "-sf", &format!("http://{ip}:15020/metrics")]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The value of the first sample of `metric` whose line contains every one of `labels`.
+fn sample(metrics: &str, metric: &str, labels: &[&str]) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(metric) && labels.iter().all(|want| l.contains(want)))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+async fn wait_ztunnel_proxies(node: &RealNode, want: f64) {
+    node.eventually(
+        &format!("ztunnel runs {want} in-pod proxies"),
+        Duration::from_secs(60),
+        || async {
+            (sample(
+                &ztunnel_metrics(node),
+                "workload_manager_active_proxy_count",
+                &[],
+            ) == Some(want))
+            .then_some(())
+        },
+    )
+    .await
+}
+
+/// With the real ztunnel (`ZTUNNEL_BIN`, built with its `testing` feature, in the node's images)
+/// as the DaemonSet next to ours: its readiness needs our snapshot, kubelet's pods get in-pod
+/// proxies through our ZDS server, a ztunnel restart gets every running pod again, and traffic
+/// between two ambient pods goes over HBONE with mTLS between their proxies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ztunnel_daemonset_proxies_kubelets_pods_over_hbone() {
+    if std::env::var_os("ZTUNNEL_BIN").is_none() {
+        eprintln!(
+            "SKIPPED real_ztunnel_daemonset_proxies_kubelets_pods_over_hbone: set ZTUNNEL_BIN to a ztunnel built with --features testing"
+        );
+        return;
+    }
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let node = RealNode::up().await;
+    assert!(
+        node.has_real_ztunnel(),
+        "ZTUNNEL_BIN is set but the node's images have no ztunnel.tar"
+    );
+    // Rolled out = Ready = ztunnel processed our (empty) snapshot.
+    node.install_chart_with(&[], ZTUNNEL).await;
+
+    namespace(&node, "zt", true).await;
+    let mut server = pod("server", "");
+    server["spec"]["containers"][0]["command"] = json!([
+        "sh",
+        "-c",
+        "mkdir /www; echo hello > /www/index.html; exec httpd -f -p 8080 -h /www"
+    ]);
+    let mut client = pod("client", "");
+    client["spec"]["containers"][0]["command"] = json!(["sleep", "3600"]);
+    create(&node, "zt", server).await;
+    create(&node, "zt", client).await;
+    let mut ips = BTreeMap::new();
+    for name in ["server", "client"] {
+        let p = wait_running(&node, "zt", name).await;
+        wait_redirection(&node, "zt", name, Some("enabled")).await;
+        ips.insert(name, p.status.unwrap().pod_ip.unwrap());
+    }
+    wait_ztunnel_proxies(&node, 2.0).await;
+
+    // Tell ztunnel who the pods are (it reads the file once): restart it. The new ztunnel is
+    // Ready only once our snapshot handed it both running pods again.
+    let workloads: Vec<Value> = ips
+        .iter()
+        .map(|(name, ip)| {
+            json!({
+                "uid": format!("Kubernetes//Pod/zt/{name}"),
+                "name": name,
+                "namespace": "zt",
+                "serviceAccount": "default",
+                "trustDomain": "cluster.local",
+                "workloadIps": [ip],
+                "protocol": "HBONE",
+                "node": NODE_NAME,
+                "services": {},
+            })
+        })
+        .collect();
+    let xds = serde_yaml::to_string(&json!({ "workloads": workloads })).unwrap();
+    let patch = json!({"data": {"local-xds.yaml": xds}});
+    Api::<ConfigMap>::namespaced(node.client(), "istio-system")
+        .patch(
+            "ztunnel-local-xds",
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    node.kubectl(&[
+        "-n",
+        "istio-system",
+        "delete",
+        "pod",
+        "-l",
+        "app=ztunnel",
+        "--wait=true",
+    ]);
+    node.rollout("ztunnel").await;
+    wait_ztunnel_proxies(&node, 2.0).await;
+
+    let response = node.kubectl(&[
+        "-n",
+        "zt",
+        "exec",
+        "client",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {} 8080",
+            ips["server"]
+        ),
+    ]);
+    assert!(
+        response.starts_with("HTTP/1.") && response.ends_with("\r\n\r\nhello\n"),
+        "{response:?}"
+    );
+    // The server's proxy took the request over HBONE from the client's, with both identities.
+    let metrics = ztunnel_metrics(&node);
+    let mtls = sample(
+        &metrics,
+        "istio_tcp_connections_opened_total",
+        &[
+            "reporter=\"destination\"",
+            "connection_security_policy=\"mutual_tls\"",
+            "source_principal=\"spiffe://cluster.local/ns/zt/sa/default\"",
+        ],
+    );
+    assert!(
+        mtls >= Some(1.0),
+        "no mTLS connection in ztunnel's metrics:\n{metrics}"
+    );
+
+    // Pod delete: kubelet's DEL reaches ztunnel through the agent.
+    delete(&node, "zt", "server").await;
+    wait_ztunnel_proxies(&node, 1.0).await;
 }
 
 /// `scripts/real-node up` in a fresh directory with extra environment; returns (success, stderr).

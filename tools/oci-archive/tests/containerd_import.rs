@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 const PAUSE: &str = "localhost/istio-cni-rs/pause:dev";
 const BUSYBOX: &str = "localhost/istio-cni-rs/busybox:dev";
+const ZTUNNEL: &str = "localhost/istio-cni-rs/ztunnel:dev";
 const TOOLS: [&str; 7] = [
     "containerd",
     "ctr",
@@ -47,11 +48,19 @@ fn tools_present() -> bool {
 }
 
 fn node_images(args: &[&str]) -> Output {
-    Command::new(repo().join("scripts/node-images"))
-        .args(args)
-        .env("OCI_ARCHIVE", env!("CARGO_BIN_EXE_oci-archive"))
-        .output()
-        .unwrap()
+    node_images_with(args, None)
+}
+
+/// With `ZTUNNEL_BIN` set to `ztunnel`, or removed from the environment.
+fn node_images_with(args: &[&str], ztunnel: Option<&str>) -> Output {
+    let mut cmd = Command::new(repo().join("scripts/node-images"));
+    cmd.args(args)
+        .env("OCI_ARCHIVE", env!("CARGO_BIN_EXE_oci-archive"));
+    match ztunnel {
+        Some(bin) => cmd.env("ZTUNNEL_BIN", bin),
+        None => cmd.env_remove("ZTUNNEL_BIN"),
+    };
+    cmd.output().unwrap()
 }
 
 /// containerd in its own namespaces; killed (with its tasks) on drop.
@@ -152,7 +161,13 @@ fn images_import_into_containerd_and_run() {
     }
     let out_dir = tempfile::tempdir().unwrap();
     let out = out_dir.path().to_str().unwrap();
-    let built = node_images(&["build", out, "pause", "busybox"]);
+    // The ztunnel image from a dynamically linked binary (coreutils' echo stands in for a
+    // ztunnel): it must carry the loader and libraries it links.
+    let dynamic = "/usr/bin/echo";
+    let built = node_images_with(
+        &["build", out, "pause", "busybox", "ztunnel"],
+        Some(dynamic),
+    );
     assert!(
         built.status.success(),
         "build: {}",
@@ -160,7 +175,9 @@ fn images_import_into_containerd_and_run() {
     );
     assert_eq!(
         String::from_utf8(built.stdout).unwrap(),
-        format!("{PAUSE} {out}/pause.tar\n{BUSYBOX} {out}/busybox.tar\n")
+        format!(
+            "{PAUSE} {out}/pause.tar\n{BUSYBOX} {out}/busybox.tar\n{ZTUNNEL} {out}/ztunnel.tar\n"
+        )
     );
 
     let ctd = Containerd::start();
@@ -172,7 +189,21 @@ fn images_import_into_containerd_and_run() {
         String::from_utf8_lossy(&imported.stderr)
     );
     let refs = ctd.ctr_ok(&["images", "ls", "-q"]);
-    assert_eq!(refs.lines().collect::<Vec<_>>(), [BUSYBOX, PAUSE]);
+    assert_eq!(refs.lines().collect::<Vec<_>>(), [BUSYBOX, PAUSE, ZTUNNEL]);
+
+    // The image has nothing but the binary and what it links, and that is enough to run it.
+    let run = ctd.ctr_ok(&[
+        "run",
+        "--rm",
+        "--net-host",
+        "--cgroup",
+        "",
+        ZTUNNEL,
+        "zt-test",
+        "ztunnel",
+        "linked",
+    ]);
+    assert_eq!(run, "linked\n");
 
     // The applet links resolve, the environment is the image's, /tmp is sticky.
     let run = ctd.ctr_ok(&[
@@ -224,7 +255,25 @@ fn bad_input_names_what_is_wrong() {
     check(
         &["build", d, "nginx"],
         2,
-        "unknown image nginx (one of: pause busybox install-cni ztunnel-peer)",
+        "unknown image nginx (one of: pause busybox install-cni ztunnel-peer ztunnel)",
+    );
+    check(
+        &["build", d, "ztunnel"],
+        2,
+        "the ztunnel image needs ZTUNNEL_BIN",
+    );
+    let bad = |bin: &str, text: &str| {
+        let out = node_images_with(&["build", d, "ztunnel"], Some(bin));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{bin}: {stderr}");
+        assert!(
+            stderr.contains(text),
+            "{bin}: {stderr:?} should contain {text:?}"
+        );
+    };
+    bad(
+        "/nonexistent/ztunnel",
+        "ZTUNNEL_BIN=/nonexistent/ztunnel is not an executable file",
     );
     check(
         &["import", "/nonexistent.sock", d],

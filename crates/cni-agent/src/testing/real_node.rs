@@ -17,6 +17,8 @@ use dataplane::netns::Netns;
 pub const CHART: &str = "deploy/charts/istio-cni";
 pub const VALUES: &str = "deploy/node/values-real-node.yaml";
 pub const PEER: &str = "deploy/node/ztunnel-peer.yaml";
+/// The real ztunnel's DaemonSet, for images that carry one (`ZTUNNEL_BIN`).
+pub const ZTUNNEL: &str = "deploy/node/ztunnel.yaml";
 
 /// The node's name in the cluster (`scripts/real-node`).
 pub const NODE_NAME: &str = "real-node";
@@ -207,15 +209,26 @@ impl RealNode {
     /// and the ztunnel-like peer of `deploy/node/ztunnel-peer.yaml`, and waits until both
     /// DaemonSets are rolled out.
     pub async fn install_chart(&self, extra: &[&str]) {
+        self.install_chart_with(extra, PEER).await;
+    }
+
+    /// [`RealNode::install_chart`] with the ztunnel DaemonSet of manifest `ztunnel` ([`PEER`] or
+    /// [`ZTUNNEL`]).
+    pub async fn install_chart_with(&self, extra: &[&str], ztunnel: &str) {
         let path = |p: &str| repo().join(p).to_str().unwrap().to_string();
         let (chart, values) = (path(CHART), path(VALUES));
         let mut args = vec!["install", "istio-cni", &chart, "-n", "istio-system"];
         args.extend(["--create-namespace", "-f", &values]);
         args.extend_from_slice(extra);
         self.helm(&args);
-        self.kubectl(&["apply", "-f", &path(PEER)]);
+        self.kubectl(&["apply", "-f", &path(ztunnel)]);
         self.rollout("istio-cni-node").await;
         self.rollout("ztunnel").await;
+    }
+
+    /// Whether the node's images include the real ztunnel (`ztunnel.tar`, built from `ZTUNNEL_BIN`).
+    pub fn has_real_ztunnel(&self) -> bool {
+        self.images.join("ztunnel.tar").is_file()
     }
 
     /// Waits until DaemonSet `ds` of istio-system is rolled out.
