@@ -134,6 +134,21 @@ impl Containerd {
         );
         String::from_utf8(out.stdout).unwrap()
     }
+
+    /// Runs `argv` in a container of `image` on the host network, without cgroups; its stdout.
+    fn run_once(&self, image: &str, argv: &[&str]) -> String {
+        let mut args = vec![
+            "run",
+            "--rm",
+            "--net-host",
+            "--cgroup",
+            "",
+            image,
+            "run-once",
+        ];
+        args.extend_from_slice(argv);
+        self.ctr_ok(&args)
+    }
 }
 
 impl Drop for Containerd {
@@ -192,32 +207,17 @@ fn images_import_into_containerd_and_run() {
     assert_eq!(refs.lines().collect::<Vec<_>>(), [BUSYBOX, PAUSE, ZTUNNEL]);
 
     // The image has nothing but the binary and what it links, and that is enough to run it.
-    let run = ctd.ctr_ok(&[
-        "run",
-        "--rm",
-        "--net-host",
-        "--cgroup",
-        "",
-        ZTUNNEL,
-        "zt-test",
-        "ztunnel",
-        "linked",
-    ]);
-    assert_eq!(run, "linked\n");
+    assert_eq!(ctd.run_once(ZTUNNEL, &["ztunnel", "linked"]), "linked\n");
 
     // The applet links resolve, the environment is the image's, /tmp is sticky.
-    let run = ctd.ctr_ok(&[
-        "run",
-        "--rm",
-        "--net-host",
-        "--cgroup",
-        "",
+    let run = ctd.run_once(
         BUSYBOX,
-        "sh-test",
-        "sh",
-        "-c",
-        "echo $((6*7)) $(readlink /usr/bin/wget) $PATH; stat -c %a /tmp",
-    ]);
+        &[
+            "sh",
+            "-c",
+            "echo $((6*7)) $(readlink /usr/bin/wget) $PATH; stat -c %a /tmp",
+        ],
+    );
     assert_eq!(
         run,
         "42 /bin/busybox /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n1777\n"
