@@ -14,18 +14,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cni_agent::testing::real_node::{CHART, NODE_NAME, RealNode, VALUES, ZTUNNEL};
+use cni_agent::testing::real_node::{
+    AMBIENT, CHART, CONFLIST, NODE_NAME, REDIRECTION, RealNode, VALUES, WITNESS, ZTUNNEL,
+    annotation, running, witness_pod as pod,
+};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-
-const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
-const REDIRECTION: &str = "ambient.istio.io/redirection";
-const CONFLIST: &str = "/etc/cni/net.d/10-bridge.conflist";
-const PEER_STATUS: &str = "/var/run/ztunnel-peer/status.json";
-/// The bridge gateway: the node itself, where nothing listens on the discard port.
-const WITNESS: &str =
-    "if nc -w 2 10.244.0.1 9 </dev/null; then echo REDIRECTED; else echo DIRECT; fi";
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
 static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -35,18 +30,7 @@ fn repo_path(p: &str) -> String {
 }
 
 async fn namespace(node: &RealNode, name: &str, ambient: bool) {
-    let mut labels = BTreeMap::new();
-    if ambient {
-        labels.insert(AMBIENT.0.to_string(), AMBIENT.1.to_string());
-    }
-    let ns: Namespace = serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": labels}
-    }))
-    .unwrap();
-    Api::<Namespace>::all(node.client())
-        .create(&PostParams::default(), &ns)
-        .await
-        .unwrap();
+    node.namespace(name, ambient).await
 }
 
 async fn label_namespace(node: &RealNode, name: &str, ambient: bool) {
@@ -60,22 +44,6 @@ async fn label_namespace(node: &RealNode, name: &str, ambient: bool) {
         .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .unwrap();
-}
-
-/// A busybox pod whose container runs the witness, then `then` (default: sleep).
-fn pod(name: &str, then: &str) -> Value {
-    json!({
-        "metadata": {"name": name},
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{
-                "name": "app",
-                "image": "localhost/istio-cni-rs/busybox:dev",
-                "imagePullPolicy": "Never",
-                "command": ["sh", "-c", format!("{WITNESS}; {then}")]
-            }]
-        }
-    })
 }
 
 /// An injected sidecar pod: Istio's status annotation and an `istio-proxy` container, which here
@@ -115,18 +83,6 @@ async fn get(node: &RealNode, ns: &str, name: &str) -> Option<Pod> {
         .unwrap()
 }
 
-fn running(p: &Pod) -> bool {
-    let st = p.status.as_ref();
-    st.and_then(|s| s.phase.as_deref()) == Some("Running")
-        && st
-            .and_then(|s| s.container_statuses.as_ref())
-            .is_some_and(|cs| cs.iter().all(|c| c.ready))
-}
-
-fn annotation(p: &Pod, key: &str) -> Option<String> {
-    p.metadata.annotations.as_ref()?.get(key).cloned()
-}
-
 async fn wait_running(node: &RealNode, ns: &str, name: &str) -> Pod {
     node.eventually(
         &format!("pod {ns}/{name} Running"),
@@ -163,10 +119,9 @@ fn witness(node: &RealNode, ns: &str, name: &str) -> String {
 
 /// The peer's view: pod UID → (state, connections through its listeners).
 fn peer_workloads(node: &RealNode) -> BTreeMap<String, (String, u64)> {
-    let Some(text) = node.read(PEER_STATUS) else {
+    let Some(st) = node.peer_status() else {
         return BTreeMap::new();
     };
-    let st: Value = serde_json::from_str(&text).unwrap_or_default();
     st["workloads"]
         .as_object()
         .map(|w| {
@@ -751,4 +706,42 @@ async fn failed_component_start_names_it_and_tears_down_the_rest() {
     assert!(!dir.path().join("run").exists());
     let logs = std::fs::read_to_string(dir.path().join("logs/kube-apiserver.log")).unwrap();
     assert!(!logs.is_empty(), "the API server ran before containerd");
+}
+
+/// The churn harness (`scripts/churn --real-node`, RELIABILITY.md) cut short: ambient pods
+/// created and deleted through kubelet while the agent is SIGKILLed (also mid-ADD) or its pod
+/// deleted, the peer restarts, the API server, kubelet and containerd restart, another writer
+/// rewrites the conflist and the agent's run dir is full; zero invariant violations.
+/// `CHURN_SEED` replays a schedule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churn_short_on_the_real_node() {
+    use cni_agent::testing::churn::{self, ChurnConfig, real};
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let seed = std::env::var("CHURN_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(14);
+    let node =
+        RealNode::up_with(&[("REAL_NODE_MAX_RESTART_BACKOFF", real::MAX_RESTART_BACKOFF)]).await;
+    let mut node = real::RealChurnNode::start(node).await;
+    let mut cfg = ChurnConfig::new(16, seed);
+    // A short run meets most kinds of fault only when faults are frequent.
+    cfg.fault_percent = 50;
+    cfg.quiet_every = 8;
+    cfg.population = 6;
+    let report = churn::run(&mut node, &cfg).await;
+    println!("seed {seed}\n{}", report.markdown());
+    assert!(
+        report.violations.is_empty(),
+        "churn violations (seed {seed}): {:#?}\n{}",
+        report.violations,
+        node.agent_log()
+    );
+    assert_eq!(report.pods_created, 16);
+    assert!(
+        report.faults.values().sum::<u64>() >= 5,
+        "too few faults: {:?}",
+        report.faults
+    );
 }

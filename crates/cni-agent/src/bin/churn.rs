@@ -1,23 +1,29 @@
-//! churn: the churn harness of issue #14 on the emulated node (`scripts/churn`). Pod
-//! create/delete cycles with random faults, invariants checked throughout; prints the report as
-//! a markdown table (for RELIABILITY.md) and exits 1 on any invariant violation. Root only.
+//! churn: the churn harness of issue #14 (`scripts/churn`) on the emulated node, or with
+//! `--real-node` on a real kubelet + containerd node (`scripts/real-node`). Pod create/delete
+//! cycles with random faults, invariants checked throughout; prints the report as a markdown
+//! table (for RELIABILITY.md) and exits 1 on any invariant violation. Root only.
 //! Test tooling (`testing` feature), never shipped.
 
 use std::process::ExitCode;
 
 use clap::Parser;
 
-use cni_agent::testing::churn::{ChurnConfig, emulated};
+use cni_agent::testing::churn::{ChurnConfig, emulated, real};
 use cni_agent::testing::node::Backend;
 
 #[derive(Parser)]
-#[command(about = "pod churn with fault injection on the emulated node")]
+#[command(about = "pod churn with fault injection on the emulated node or a real node")]
 struct Args {
+    /// On a real node (kubelet, containerd: scripts/real-node) with our chart, instead of the
+    /// emulated node. Needs the node binaries and images (scripts/churn builds them).
+    #[arg(long)]
+    real_node: bool,
     #[arg(long, default_value_t = 1000)]
     cycles: u64,
     /// Seed of the schedule of actions and faults (default: from the clock; always printed).
     #[arg(long)]
     seed: Option<u64>,
+    /// The emulated node's backend (the real node's values choose nftables).
     #[arg(long, value_parser = ["nftables", "iptables"], default_value = "nftables")]
     backend: String,
     /// Live pods kept while churning.
@@ -44,14 +50,23 @@ fn main() -> ExitCode {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1)
     });
-    eprintln!("churn: {} cycles, seed {seed}", args.cycles);
+    let on = if args.real_node {
+        "the real node"
+    } else {
+        "the emulated node"
+    };
+    eprintln!("churn: {} cycles on {on}, seed {seed}", args.cycles);
     let mut cfg = ChurnConfig::new(args.cycles, seed);
     cfg.population = args.population;
     let backend = match args.backend.as_str() {
         "iptables" => Backend::Iptables,
         _ => Backend::Nftables,
     };
-    let report = emulated::run_emulated(&cfg, backend);
+    let report = if args.real_node {
+        real::run_real(&cfg)
+    } else {
+        emulated::run_emulated(&cfg, backend)
+    };
     println!("{}", report.markdown());
     if report.violations.is_empty() {
         ExitCode::SUCCESS

@@ -4,12 +4,16 @@
 //! and faults (not the same timings).
 //!
 //! The node is behind [`ChurnNode`] so the same driver runs on the emulated node
-//! ([`emulated::EmulatedNode`]: the node test kit) and, later, on a real kubelet + containerd node.
+//! ([`emulated::EmulatedNode`]: the node test kit) and on a real kubelet + containerd node
+//! ([`real::RealChurnNode`]: `scripts/real-node`). Each node says which faults it can inject;
+//! the report lists the others as not supported.
 //!
 //! Fail-closed semantics checked: while a fault is active an ADD may fail (the runtime retries it
 //! with a new sandbox) but a pod whose ADD succeeded must be redirected and known to the peer.
 
+pub mod conflist;
 pub mod emulated;
+pub mod real;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -41,10 +45,16 @@ pub enum FaultKind {
     ConflistRewriter,
     /// The agent's run dir has no free space.
     DiskFull,
+    /// The agent's pod deleted (gracefully or forced); its DaemonSet makes a new one.
+    AgentPodDelete,
+    /// kubelet stopped and started again.
+    KubeletRestart,
+    /// containerd stopped and started again (running containers keep running in their shims).
+    ContainerdRestart,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 12] = [
+    pub const ALL: [FaultKind; 15] = [
         FaultKind::AgentKill,
         FaultKind::AgentKillMidAdd,
         FaultKind::PeerRestart,
@@ -57,6 +67,9 @@ impl FaultKind {
         FaultKind::ApiErrorBurst,
         FaultKind::ConflistRewriter,
         FaultKind::DiskFull,
+        FaultKind::AgentPodDelete,
+        FaultKind::KubeletRestart,
+        FaultKind::ContainerdRestart,
     ];
 
     /// Faults that stay active over cycles until healed; the others happen once. An ack
@@ -77,7 +90,7 @@ impl FaultKind {
     /// How likely the kind is drawn, relative to the others: API restarts cost seconds each.
     fn weight(self) -> u64 {
         match self {
-            FaultKind::ApiRestart => 1,
+            FaultKind::ApiRestart | FaultKind::KubeletRestart | FaultKind::ContainerdRestart => 1,
             FaultKind::AgentKill | FaultKind::AgentKillMidAdd => 3,
             _ => 2,
         }
@@ -138,6 +151,11 @@ pub trait ChurnNode {
     /// Times the agent exited on its own and was started again (as the kubelet restarts a
     /// DaemonSet container).
     fn agent_exits(&self) -> u64;
+    /// What the node wants the report to say about how its faults landed (e.g. how many
+    /// mid-enrollment kills met a running ADD).
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
+    }
     async fn inject(&mut self, kind: FaultKind, rng: &mut Rng);
     async fn heal(&mut self, kind: FaultKind);
     /// After every heal: agent ready, peer connected with a full snapshot.
@@ -212,6 +230,9 @@ pub struct ChurnReport {
     pub add_failures_without_fault: u64,
     pub adds_without_plugin: u64,
     pub faults: BTreeMap<FaultKind, u64>,
+    /// Faults this node cannot inject: never drawn, never counted as survived.
+    pub unsupported: Vec<FaultKind>,
+    pub notes: Vec<String>,
     pub quiet_checks: u64,
     pub agent_exits: u64,
     pub conflist_reads: u64,
@@ -294,6 +315,16 @@ impl ChurnReport {
             .map(|(k, n)| format!("{k:?} {n}"))
             .collect();
         let _ = writeln!(out, "| faults injected | {total}: {} |", kinds.join(", "));
+        let unsupported: Vec<String> = self.unsupported.iter().map(|k| format!("{k:?}")).collect();
+        let _ = writeln!(
+            out,
+            "| faults not supported on this node (not injected) | {} |",
+            if unsupported.is_empty() {
+                "none".to_string()
+            } else {
+                unsupported.join(", ")
+            }
+        );
         let _ = writeln!(out, "| agent restarts | {restarts} |");
         let _ = writeln!(
             out,
@@ -322,6 +353,9 @@ impl ChurnReport {
                 rss1 as f64 / 1024.0
             );
         }
+        for n in &self.notes {
+            let _ = writeln!(out, "| note | {n} |");
+        }
         let _ = writeln!(out, "| invariant violations | {} |", self.violations.len());
         for v in self.violations.iter().take(30) {
             let _ = writeln!(out, "\n- {v}");
@@ -339,10 +373,9 @@ pub async fn run<N: ChurnNode>(node: &mut N, cfg: &ChurnConfig) -> ChurnReport {
         seed: cfg.seed,
         ..ChurnReport::default()
     };
-    let kinds: Vec<FaultKind> = FaultKind::ALL
-        .into_iter()
-        .filter(|k| node.supports(*k))
-        .collect();
+    let (kinds, unsupported): (Vec<FaultKind>, Vec<FaultKind>) =
+        FaultKind::ALL.into_iter().partition(|k| node.supports(*k));
+    report.unsupported = unsupported;
     let weights: u64 = kinds.iter().map(|k| k.weight()).sum();
     // Lasting faults and the cycle they heal at.
     let mut active: BTreeMap<FaultKind, u64> = BTreeMap::new();
@@ -380,6 +413,9 @@ pub async fn run<N: ChurnNode>(node: &mut N, cfg: &ChurnConfig) -> ChurnReport {
             let fresh = !active.contains_key(&kind);
             if fresh {
                 *report.faults.entry(kind).or_default() += 1;
+                // A one-off fault (a kill, a restart) has its recovery too: ADDs may fail
+                // until the restarted process serves again.
+                last_fault = Some(cycle);
                 if kind == FaultKind::AgentKillMidAdd {
                     kill_next_add = true;
                 } else {
@@ -502,6 +538,7 @@ pub async fn run<N: ChurnNode>(node: &mut N, cfg: &ChurnConfig) -> ChurnReport {
         }
     }
     report.agent_exits = node.agent_exits();
+    report.notes = node.notes();
     let (reads, damaged) = node.conflist_reads();
     report.conflist_reads = reads;
     report.violations.extend(damaged);
@@ -549,6 +586,50 @@ async fn record_add<N: ChurnNode>(
             failed.insert(name.to_string());
         }
     }
+}
+
+/// The network namespaces (inodes) among the process's fds, and how many other fds it has. An fd
+/// of a namespace opened by path reads back as that path, so fds are told apart by their file
+/// system: every namespace lives on nsfs.
+pub fn process_fds(pid: u32) -> Option<(Vec<u64>, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let nsfs = std::fs::metadata("/proc/self/ns/net").ok()?.dev();
+    let mut netns = Vec::new();
+    let mut other = 0;
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).ok()? {
+        let Ok(entry) = entry else { continue };
+        match std::fs::metadata(entry.path()) {
+            Ok(m) if m.dev() == nsfs && m.file_type().is_file() => netns.push(m.ino()),
+            _ => other += 1,
+        }
+    }
+    Some((netns, other))
+}
+
+/// Writes `path` until its file system is full, to the last byte.
+pub fn fill(path: &std::path::Path) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
+    let block = vec![0u8; 64 * 1024];
+    while f.write_all(&block).is_ok() {}
+    // Whatever fits in the last partial block.
+    while f.write_all(&[0]).is_ok() {}
+}
+
+/// The inode of a namespace file (or any file).
+pub fn netns_ino(path: &std::path::Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| m.ino())
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`).
+pub fn process_memory_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 #[cfg(test)]

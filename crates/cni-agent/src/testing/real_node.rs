@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use dataplane::netns::Netns;
+use k8s_openapi::api::core::v1::Pod;
 
 /// Our chart, and the real node's values file and peer DaemonSet for it.
 pub const CHART: &str = "deploy/charts/istio-cni";
@@ -23,6 +24,49 @@ pub const ZTUNNEL: &str = "deploy/node/ztunnel.yaml";
 /// The node's name in the cluster (`scripts/real-node`).
 pub const NODE_NAME: &str = "real-node";
 
+/// The node's primary CNI config, where the installer chains our plugin.
+pub const CONFLIST: &str = "/etc/cni/net.d/10-bridge.conflist";
+/// The peer's view as JSON, on the node (`deploy/node/ztunnel-peer.yaml`).
+pub const PEER_STATUS: &str = "/run/ztunnel-peer/status.json";
+/// The pod label that puts a namespace's pods in the ambient mesh.
+pub const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
+/// The annotation the agent sets on the pods it redirected.
+pub const REDIRECTION: &str = "ambient.istio.io/redirection";
+/// A witness pod's first act: connect to a closed port on the node (the bridge gateway).
+/// Redirected, the connection lands on a proxy listener in the pod and succeeds
+/// (`REDIRECTED`); unredirected it is refused (`DIRECT`).
+pub const WITNESS: &str =
+    "if nc -w 2 10.244.0.1 9 </dev/null; then echo REDIRECTED; else echo DIRECT; fi";
+
+/// A busybox pod whose container `app` runs the [`WITNESS`], then `then`.
+pub fn witness_pod(name: &str, then: &str) -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "app",
+                "image": "localhost/istio-cni-rs/busybox:dev",
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", format!("{WITNESS}; {then}")]
+            }]
+        }
+    })
+}
+
+/// Running with every container ready.
+pub fn running(p: &Pod) -> bool {
+    let st = p.status.as_ref();
+    st.and_then(|s| s.phase.as_deref()) == Some("Running")
+        && st
+            .and_then(|s| s.container_statuses.as_ref())
+            .is_some_and(|cs| cs.iter().all(|c| c.ready))
+}
+
+pub fn annotation(p: &Pod, key: &str) -> Option<String> {
+    p.metadata.annotations.as_ref()?.get(key).cloned()
+}
+
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -30,6 +74,8 @@ fn repo() -> PathBuf {
 pub struct RealNode {
     dir: tempfile::TempDir,
     images: PathBuf,
+    /// Extra environment of `scripts/real-node up` (its `REAL_NODE_*` knobs).
+    up_env: Vec<(String, String)>,
     /// The node's network namespace, replaced at each start (a stopped node's is gone).
     netns: Arc<Mutex<Option<Netns>>>,
     /// `https://127.0.0.1:<port>` on the test's loopback, forwarded into the node.
@@ -66,10 +112,11 @@ pub fn images_dir() -> PathBuf {
 }
 
 /// Runs `scripts/real-node` on the node in `dir`.
-fn run_script(dir: &Path, args: &[&str]) -> Output {
+fn run_script(dir: &Path, args: &[&str], env: &[(String, String)]) -> Output {
     Command::new(repo().join("scripts/real-node"))
         .args(args)
         .env("REAL_NODE_DIR", dir)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .output()
         .expect("scripts/real-node")
@@ -78,6 +125,12 @@ fn run_script(dir: &Path, args: &[&str]) -> Output {
 impl RealNode {
     /// Brings up a node with the images of [`images_dir`] imported, and waits until it is Ready.
     pub async fn up() -> Self {
+        Self::up_with(&[]).await
+    }
+
+    /// [`RealNode::up`] with extra environment for `scripts/real-node up` (and every later
+    /// start), e.g. `REAL_NODE_MAX_RESTART_BACKOFF`.
+    pub async fn up_with(env: &[(&str, &str)]) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("real-node")
             .tempdir_in("/tmp")
@@ -89,6 +142,10 @@ impl RealNode {
         let node = RealNode {
             dir,
             images: images_dir(),
+            up_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             netns,
             server,
             client: OnceLock::new(),
@@ -118,16 +175,17 @@ impl RealNode {
     }
 
     pub fn try_script(&self, args: &[&str]) -> Output {
-        run_script(self.dir.path(), args)
+        run_script(self.dir.path(), args, &[])
     }
 
     /// [`RealNode::try_script`] off the async workers, for the long-running commands.
     async fn try_script_blocking(&self, args: &[&str]) -> Output {
         let dir = self.dir.path().to_path_buf();
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let env = self.up_env.clone();
         tokio::task::spawn_blocking(move || {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            run_script(&dir, &args)
+            run_script(&dir, &args, &env)
         })
         .await
         .unwrap()
@@ -153,6 +211,125 @@ impl RealNode {
         out.status
             .success()
             .then(|| String::from_utf8(out.stdout).unwrap())
+    }
+
+    /// Creates namespace `name`, in the ambient mesh or not.
+    pub async fn namespace(&self, name: &str, ambient: bool) {
+        let mut labels = std::collections::BTreeMap::new();
+        if ambient {
+            labels.insert(AMBIENT.0.to_string(), AMBIENT.1.to_string());
+        }
+        let ns: k8s_openapi::api::core::v1::Namespace = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "labels": labels}
+        }))
+        .unwrap();
+        kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(self.client())
+            .create(&Default::default(), &ns)
+            .await
+            .unwrap_or_else(|e| panic!("cannot create namespace {name}: {e}"));
+    }
+
+    /// The node's init (its namespaces' holder) as the machine sees it.
+    pub fn holder_pid(&self) -> u32 {
+        let pid = std::fs::read_to_string(self.dir.path().join("run/holder.pid"))
+            .expect("the node is running (run/holder.pid)");
+        pid.trim().parse().expect("holder.pid holds a pid")
+    }
+
+    /// `path` inside the node's mount namespace, as a path on the machine (through its init's
+    /// `/proc/<pid>/root`): for reads, writes and renames without a process per access. `path`
+    /// must have no symlink in it (an absolute one would resolve on the machine): `/run/...`,
+    /// not `/var/run/...`.
+    pub fn node_path(&self, path: &str) -> PathBuf {
+        let rel = path
+            .strip_prefix('/')
+            .expect("an absolute path on the node");
+        PathBuf::from(format!("/proc/{}/root", self.holder_pid())).join(rel)
+    }
+
+    /// The parent of every pod cgroup of this node (`cgroupRoot` of its kubelet).
+    fn cgroup_root(&self) -> String {
+        let cfg = std::fs::read_to_string(self.dir.path().join("kubelet/config.yaml"))
+            .expect("the node's kubelet config");
+        cfg.lines()
+            .find_map(|l| l.strip_prefix("cgroupRoot:"))
+            .expect("cgroupRoot in the kubelet config")
+            .trim()
+            .to_string()
+    }
+
+    /// Processes of this node's pods (by their cgroups, so another node's never match) whose
+    /// cgroup path contains `pattern` (e.g. `pod<uid>/`) and whose name is `comm`, if given.
+    pub fn pod_processes(&self, pattern: &str, comm: Option<&str>) -> Vec<u32> {
+        let root = format!("{}/kubepods", self.cgroup_root());
+        processes(|pid| {
+            let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+            let ours = cg.lines().any(|l| l.contains(&root) && l.contains(pattern));
+            ours && comm.is_none_or(|c| comm_of(pid).as_deref() == Some(c))
+        })
+    }
+
+    /// Processes named `comm` in the node's own mount namespace (its components and what they
+    /// run: containerd's CNI plugins), not in a container's.
+    pub fn node_processes(&self, comm: &str) -> Vec<u32> {
+        let mnt = std::fs::read_link(format!("/proc/{}/ns/mnt", self.holder_pid())).ok();
+        processes(|pid| {
+            comm_of(pid).as_deref() == Some(comm)
+                && std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok() == mnt
+        })
+    }
+
+    /// The network namespace of pod `uid`'s sandbox, as `/proc/<pid>/ns/net` of one of its
+    /// processes (the sandbox's pause process or a container's).
+    pub fn pod_netns(&self, uid: &str) -> Option<PathBuf> {
+        let pid = *self.pod_processes(&format!("pod{uid}/"), None).first()?;
+        Some(PathBuf::from(format!("/proc/{pid}/ns/net")))
+    }
+
+    /// Every line container `container` of pod `ns/name` (UID `uid`) printed, each of its runs
+    /// in order, from kubelet's log files (`/var/log/pods`, the node's `var-log`).
+    pub fn container_output(
+        &self,
+        ns: &str,
+        name: &str,
+        uid: &str,
+        container: &str,
+    ) -> Vec<String> {
+        let dir = self
+            .dir
+            .path()
+            .join(format!("var-log/pods/{ns}_{name}_{uid}/{container}"));
+        let mut runs: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let n = e
+                    .file_name()
+                    .to_string_lossy()
+                    .strip_suffix(".log")?
+                    .parse()
+                    .ok()?;
+                Some((n, e.path()))
+            })
+            .collect();
+        runs.sort();
+        // CRI log lines: `<time> stdout|stderr F|P <text>`.
+        runs.iter()
+            .flat_map(|(_, p)| {
+                std::fs::read_to_string(p)
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| Some(l.splitn(4, ' ').nth(3)?.to_string()))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// The peer's status file (`deploy/node/ztunnel-peer.yaml`), if it wrote one.
+    pub fn peer_status(&self) -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(self.node_path(PEER_STATUS)).ok()?;
+        serde_json::from_str(&text).ok()
     }
 
     /// `scripts/real-node up`: starts every component (again, after [`RealNode::stop`]).
@@ -298,6 +475,22 @@ impl Drop for RealNode {
             );
         }
     }
+}
+
+/// Every process of the machine for which `keep` holds.
+fn processes(keep: impl Fn(u32) -> bool) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|pid| keep(*pid))
+        .collect()
+}
+
+fn comm_of(pid: u32) -> Option<String> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    Some(comm.trim_end().to_string())
 }
 
 /// Accepts on the test's loopback and connects each client to the API server inside the node.

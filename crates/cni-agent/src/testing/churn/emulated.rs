@@ -7,14 +7,13 @@
 //! before it starts threads (the `churn` binary and test do).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{AddOutcome, AgentSample, ChurnNode, FaultKind, Rng};
+use super::conflist::{ConflistReader, ISTIO_CNI, Rewriter, damage, without_ours};
+use super::{AddOutcome, AgentSample, ChurnNode, FaultKind, Rng, netns_ino, process_fds};
 use crate::testing::api_proxy::ApiProxy;
 use crate::testing::kube::KubeTestEnv;
 use crate::testing::node::{Backend, NodeOptions, TestNode, TestPod, binary_dir};
@@ -22,8 +21,6 @@ use crate::testing::zds_peer::{AddReply, PeerConfig, ZdsPeer};
 
 const NAMESPACE: &str = "churn";
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
-/// Our entry's type in the chain.
-const ISTIO_CNI: &str = "istio-cni";
 /// Small enough to fill at once, large enough for the agent's sockets and hints.
 const RUN_DIR_BYTES: u64 = 1 << 20;
 /// The agent's ZDS ack deadline is 5 s; a "timeout" ack comes later than that.
@@ -37,21 +34,6 @@ struct Pod {
     result: Option<Value>,
     /// The sandbox's chain had our plugin and succeeded: it must be redirected.
     meshed: bool,
-}
-
-/// Another writer of the primary config (a primary CNI's own installer), writing its own
-/// version without our entry, atomically, in a loop, until stopped.
-struct Rewriter {
-    stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<u64>,
-}
-
-/// Reads the conflist continuously for the whole run; every read must be a valid config with
-/// the primary's plugins first and at most one `istio-cni` entry, last.
-struct ConflistReader {
-    stop: Arc<AtomicBool>,
-    reads: Arc<AtomicU64>,
-    damaged: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 pub struct EmulatedNode {
@@ -80,107 +62,6 @@ fn peer_config(node: &TestNode) -> PeerConfig {
     let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
     cfg.max_backoff = Duration::from_millis(100);
     cfg
-}
-
-/// Damage in one read of the conflist, if any.
-fn damage(text: &str) -> Option<String> {
-    let v: Value = match serde_json::from_str(text) {
-        Ok(v) => v,
-        Err(e) => return Some(format!("not JSON ({e})")),
-    };
-    let types: Vec<&str> = v["plugins"]
-        .as_array()
-        .map(|p| p.iter().filter_map(|p| p["type"].as_str()).collect())
-        .unwrap_or_default();
-    let ours = types.iter().filter(|t| **t == ISTIO_CNI).count();
-    let primary_ok = types.starts_with(&["bridge", "portmap"]);
-    let ours_ok = ours == 0 || (ours == 1 && types.last() == Some(&ISTIO_CNI));
-    let meta_ok = v["name"] == "e2e" && v["cniVersion"] == "1.0.0";
-    (!(primary_ok && ours_ok && meta_ok && types.len() == 2 + ours)).then(|| {
-        format!(
-            "plugins {types:?}, name {}, cniVersion {}",
-            v["name"], v["cniVersion"]
-        )
-    })
-}
-
-impl ConflistReader {
-    fn start(path: PathBuf) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let reads = Arc::new(AtomicU64::new(0));
-        let damaged = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (s, r, d) = (stop.clone(), reads.clone(), damaged.clone());
-        std::thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                // Writers replace the file by rename, so every read sees one whole version.
-                if let Ok(text) = std::fs::read_to_string(&path) {
-                    r.fetch_add(1, Ordering::Relaxed);
-                    if let Some(why) = damage(&text) {
-                        d.lock().unwrap().push(format!("damaged CNI config: {why}"));
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        });
-        ConflistReader {
-            stop,
-            reads,
-            damaged,
-        }
-    }
-}
-
-impl Drop for ConflistReader {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
-impl Rewriter {
-    fn start(path: PathBuf, primary: Vec<u8>, period: Duration) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let tmp = path.with_file_name(".10-e2e.conflist.writer");
-            let mut writes = 0;
-            while !s.load(Ordering::Relaxed) {
-                if std::fs::write(&tmp, &primary).is_ok() && std::fs::rename(&tmp, &path).is_ok() {
-                    writes += 1;
-                }
-                std::thread::sleep(period);
-            }
-            writes
-        });
-        Rewriter { stop, thread }
-    }
-
-    fn stop(self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().unwrap_or(0)
-    }
-}
-
-/// The network namespaces (inodes) among the process's fds, and how many other fds it has. An fd
-/// of a namespace opened by path reads back as that path, so fds are told apart by their file
-/// system: every namespace lives on nsfs.
-fn agent_fds(pid: u32) -> Option<(Vec<u64>, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    let nsfs = std::fs::metadata("/proc/self/ns/net").ok()?.dev();
-    let mut netns = Vec::new();
-    let mut other = 0;
-    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).ok()? {
-        let Ok(entry) = entry else { continue };
-        match std::fs::metadata(entry.path()) {
-            Ok(m) if m.dev() == nsfs && m.file_type().is_file() => netns.push(m.ino()),
-            _ => other += 1,
-        }
-    }
-    Some((netns, other))
-}
-
-fn netns_ino(path: &Path) -> Option<u64> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).ok().map(|m| m.ino())
 }
 
 impl EmulatedNode {
@@ -215,12 +96,8 @@ impl EmulatedNode {
         .create(&Default::default(), &ds)
         .await
         .unwrap();
-        let mut primary: Value = serde_json::from_str(&node.conflist()).unwrap();
-        primary["plugins"]
-            .as_array_mut()
-            .unwrap()
-            .retain(|p| p["type"] != ISTIO_CNI);
-        let reader = ConflistReader::start(node.path("net.d/10-e2e.conflist"));
+        let primary = without_ours(&node.conflist());
+        let reader = ConflistReader::start(node.path("net.d/10-e2e.conflist"), "e2e");
         EmulatedNode {
             node,
             proxy,
@@ -230,7 +107,7 @@ impl EmulatedNode {
             active: BTreeSet::new(),
             sandboxes: HashMap::new(),
             incarnation: 0,
-            primary: serde_json::to_vec_pretty(&primary).unwrap(),
+            primary,
             rewriter: None,
             reader,
             agent_unready: false,
@@ -444,7 +321,7 @@ impl EmulatedNode {
                 .collect();
             allowed.extend(netns_ino(&self.node.node_netns.path()));
             allowed.extend(netns_ino(Path::new(&format!("/proc/{pid}/ns/net"))));
-            if let Some((netns, _)) = agent_fds(pid) {
+            if let Some((netns, _)) = process_fds(pid) {
                 for ino in netns.into_iter().filter(|i| !allowed.contains(i)) {
                     let whose = self.sandboxes.get(&ino).map_or("unknown", String::as_str);
                     found.push(format!(
@@ -454,7 +331,7 @@ impl EmulatedNode {
             }
         }
         let conflist = self.node.conflist();
-        if let Some(why) = damage(&conflist) {
+        if let Some(why) = damage(&conflist, "e2e") {
             found.push(format!("CNI config damaged: {why}"));
         } else if !conflist.contains(ISTIO_CNI) {
             found.push("CNI config not chained (no istio-cni entry)".into());
@@ -464,8 +341,12 @@ impl EmulatedNode {
 }
 
 impl ChurnNode for EmulatedNode {
-    fn supports(&self, _kind: FaultKind) -> bool {
-        true
+    /// Every fault but the real node's own: no kubelet, containerd or agent pod here.
+    fn supports(&self, kind: FaultKind) -> bool {
+        !matches!(
+            kind,
+            FaultKind::AgentPodDelete | FaultKind::KubeletRestart | FaultKind::ContainerdRestart
+        )
     }
 
     async fn create_pod(&mut self, name: &str, kill_agent_after: Option<Duration>) -> AddOutcome {
@@ -552,8 +433,7 @@ impl ChurnNode for EmulatedNode {
     }
 
     fn conflist_reads(&self) -> (u64, Vec<String>) {
-        let reads = self.reader.reads.load(Ordering::Relaxed);
-        (reads, self.reader.damaged.lock().unwrap().clone())
+        self.reader.seen()
     }
 
     fn agent_exits(&self) -> u64 {
@@ -562,7 +442,7 @@ impl ChurnNode for EmulatedNode {
 
     fn sample(&self) -> Option<AgentSample> {
         let pid = self.node.agent_pid()?;
-        let (netns, other) = agent_fds(pid)?;
+        let (netns, other) = process_fds(pid)?;
         Some(AgentSample {
             incarnation: self.incarnation,
             other_fds: other,
@@ -578,6 +458,11 @@ impl ChurnNode for EmulatedNode {
         }
         match kind {
             FaultKind::AgentKill => self.restart_agent(),
+            FaultKind::AgentPodDelete
+            | FaultKind::KubeletRestart
+            | FaultKind::ContainerdRestart => {
+                unreachable!("{kind:?} is not supported on the emulated node")
+            }
             // Done by the driver through create_pod's kill_agent_after.
             FaultKind::AgentKillMidAdd => {}
             FaultKind::PeerRestart => {
@@ -607,14 +492,7 @@ impl ChurnNode for EmulatedNode {
                     period,
                 ));
             }
-            FaultKind::DiskFull => {
-                use std::io::Write;
-                let mut f = std::fs::File::create(self.node.path("run/filler")).unwrap();
-                let block = vec![0u8; 64 * 1024];
-                while f.write_all(&block).is_ok() {}
-                // Whatever fits in the last partial block.
-                while f.write_all(&[0]).is_ok() {}
-            }
+            FaultKind::DiskFull => super::fill(&self.node.path("run/filler")),
         }
     }
 
@@ -640,7 +518,10 @@ impl ChurnNode for EmulatedNode {
             | FaultKind::AgentKillMidAdd
             | FaultKind::PeerRestart
             | FaultKind::PeerDisconnect
-            | FaultKind::ApiRestart => {}
+            | FaultKind::ApiRestart
+            | FaultKind::AgentPodDelete
+            | FaultKind::KubeletRestart
+            | FaultKind::ContainerdRestart => {}
         }
     }
 
@@ -697,34 +578,6 @@ impl Drop for EmulatedNode {
     fn drop(&mut self) {
         if let Some(r) = self.rewriter.take() {
             r.stop();
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn damaged_configs_are_told_apart_from_chained_and_unchained_ones() {
-        let list = |plugins: &str| {
-            format!(r#"{{"cniVersion": "1.0.0", "name": "e2e", "plugins": [{plugins}]}}"#)
-        };
-        let (b, p, i) = (
-            r#"{"type": "bridge"}"#,
-            r#"{"type": "portmap"}"#,
-            r#"{"type": "istio-cni"}"#,
-        );
-        assert_eq!(damage(&list(&format!("{b},{p}"))), None);
-        assert_eq!(damage(&list(&format!("{b},{p},{i}"))), None);
-        for bad in [
-            list(&format!("{b},{p},{i},{i}")),
-            list(&format!("{b},{i},{p}")),
-            list(b),
-            list(&format!("{b},{p}")).replace("e2e", "other"),
-            list(&format!("{b},{p}"))[..20].to_string(),
-        ] {
-            assert!(damage(&bad).is_some(), "{bad}");
         }
     }
 }
