@@ -3,6 +3,11 @@
 //!
 //! Exits 1 on a ZDS protocol violation (as ztunnel does) and 0 on SIGTERM/SIGINT. Its view of
 //! the world is written as JSON to `--status-file` after every message.
+//!
+//! `--control-file` steers a running peer (the real node's churn faults): the file's first line,
+//! read every 200 ms, is how Adds are answered from then on: `ack`, `nack TEXT`, `delay MS`
+//! (ack late) or `crash` (drop the connection instead); a second line `disconnect N` resets the
+//! connection each time N changes. A missing file is `ack`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,7 +15,7 @@ use std::time::Duration;
 use clap::Parser;
 use std::sync::Arc;
 
-use cni_agent::testing::zds_peer::{AddReply, PeerConfig, PodProxies, ZdsPeer};
+use cni_agent::testing::zds_peer::{AddReply, PeerConfig, PeerControl, PodProxies, ZdsPeer};
 
 #[derive(Parser)]
 #[command(about = "ztunnel-like ZDS client for tests")]
@@ -30,6 +35,69 @@ struct Args {
     /// Cap of the reconnect backoff, in milliseconds.
     #[arg(long, default_value_t = 15_000)]
     max_backoff_ms: u64,
+    /// Answers to Adds and connection resets, changed at run time (see the module docs).
+    #[arg(long)]
+    control_file: Option<PathBuf>,
+}
+
+/// What a control file asks for.
+#[derive(Debug, PartialEq)]
+struct Control {
+    reply: AddReply,
+    disconnect: Option<u64>,
+}
+
+fn parse_control(text: &str) -> Result<Control, String> {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or("ack");
+    let (word, rest) = first.split_once(' ').unwrap_or((first, ""));
+    let reply = match word {
+        "ack" => AddReply::Ack,
+        "nack" if !rest.is_empty() => AddReply::Nack(rest.to_string()),
+        "delay" => AddReply::Delay(Duration::from_millis(
+            rest.parse()
+                .map_err(|_| format!("delay needs milliseconds, not {rest:?}"))?,
+        )),
+        "crash" => AddReply::Crash,
+        _ => {
+            return Err(format!(
+                "unknown answer {first:?} (ack, nack TEXT, delay MS, crash)"
+            ));
+        }
+    };
+    let disconnect = match lines.next() {
+        None => None,
+        Some(l) => Some(
+            l.strip_prefix("disconnect ")
+                .and_then(|n| n.trim().parse().ok())
+                .ok_or_else(|| format!("expected `disconnect N`, not {l:?}"))?,
+        ),
+    };
+    Ok(Control { reply, disconnect })
+}
+
+/// Applies the control file whenever it changes; a bad one is logged and changes nothing.
+async fn follow_control(path: PathBuf, peer: PeerControl) {
+    let mut last_text = None;
+    let mut last_disconnect = None;
+    loop {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        if last_text.as_ref() != Some(&text) {
+            match parse_control(&text) {
+                Ok(c) => {
+                    tracing::info!(reply = ?c.reply, disconnect = ?c.disconnect, "control file applied");
+                    peer.set_add_reply(None, c.reply);
+                    if last_disconnect.is_some() && c.disconnect != last_disconnect {
+                        peer.disconnect();
+                    }
+                    last_disconnect = c.disconnect;
+                }
+                Err(e) => eprintln!("fake-ztunnel: {}: {e}; ignored", path.display()),
+            }
+            last_text = Some(text);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 fn parse_nack(s: &str) -> Result<(String, String), String> {
@@ -59,6 +127,9 @@ async fn main() {
     // A process reading the status file (the real-node suite) sees connection counts through
     // the in-pod listeners within a second.
     let _publisher = peer.publish_every(Duration::from_secs(1));
+    let _control = args
+        .control_file
+        .map(|path| tokio::spawn(follow_control(path, peer.control())));
     tokio::select! {
         result = peer.join() => {
             if let Err(protocol) = result {
@@ -68,5 +139,34 @@ async fn main() {
         }
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_files_are_parsed_or_refused() {
+        let ok = |text: &str| parse_control(text).unwrap();
+        assert_eq!(ok("").reply, AddReply::Ack);
+        assert_eq!(
+            ok("nack no proxy\n").reply,
+            AddReply::Nack("no proxy".into())
+        );
+        assert_eq!(
+            ok("delay 1500").reply,
+            AddReply::Delay(Duration::from_millis(1500))
+        );
+        assert_eq!(
+            ok("crash\ndisconnect 3"),
+            Control {
+                reply: AddReply::Crash,
+                disconnect: Some(3)
+            }
+        );
+        for bad in ["nack", "delay soon", "maybe", "ack\nreconnect"] {
+            assert!(parse_control(bad).is_err(), "{bad:?}");
+        }
     }
 }

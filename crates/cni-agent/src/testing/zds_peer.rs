@@ -326,6 +326,40 @@ impl ZdsPeer {
 
     /// Sets the answer to Adds for `uid` (or for every UID without its own answer, with `None`).
     pub fn set_add_reply(&self, uid: Option<&str>, reply: AddReply) {
+        self.control().set_add_reply(uid, reply)
+    }
+
+    /// Closes the current connection; the peer reconnects (a ztunnel stream reset).
+    pub fn disconnect(&self) {
+        self.control().disconnect()
+    }
+
+    /// A handle steering this peer from elsewhere while [`ZdsPeer::join`] waits on it.
+    pub fn control(&self) -> PeerControl {
+        PeerControl {
+            inner: self.inner.clone(),
+        }
+    }
+
+    /// Waits for the peer to exit; `Err` carries the protocol error (ztunnel's exit 1). Pending
+    /// workloads are retried meanwhile, as ztunnel does.
+    pub async fn join(mut self) -> Result<(), String> {
+        let task = std::mem::replace(&mut self.task, tokio::spawn(async { Ok(()) }));
+        let result = task.await.map_err(|e| format!("peer task: {e}"));
+        self.retry.abort();
+        result?
+    }
+}
+
+/// Steers a running peer: its answers to Adds and its connection.
+#[derive(Clone)]
+pub struct PeerControl {
+    inner: Arc<Inner>,
+}
+
+impl PeerControl {
+    /// See [`ZdsPeer::set_add_reply`].
+    pub fn set_add_reply(&self, uid: Option<&str>, reply: AddReply) {
         let mut st = self.inner.state();
         match uid {
             Some(uid) => {
@@ -335,16 +369,9 @@ impl ZdsPeer {
         }
     }
 
-    /// Closes the current connection; the peer reconnects (a ztunnel stream reset).
+    /// See [`ZdsPeer::disconnect`].
     pub fn disconnect(&self) {
         self.inner.disconnect.notify_one();
-    }
-
-    /// Waits for the peer to exit; `Err` carries the protocol error (ztunnel's exit 1).
-    pub async fn join(mut self) -> Result<(), String> {
-        self.retry.abort();
-        let task = std::mem::replace(&mut self.task, tokio::spawn(async { Ok(()) }));
-        task.await.map_err(|e| format!("peer task: {e}"))?
     }
 }
 
