@@ -8,8 +8,9 @@
 //! `/proc/<pid>/root`, pods' network namespaces through their processes (found by the node's pod
 //! cgroups), the agent's fds and RSS from its `/proc`, each witness's output from kubelet's
 //! container logs. Faults are the node's own: processes killed, components restarted, pods
-//! deleted, files written. The peer's nack / late ack / crash / disconnect and API 429/5xx bursts
-//! have no knob on this node and stay with the emulated one (reported as not supported).
+//! deleted, files written; the peer's nack / late ack / crash / disconnect through fake-ztunnel's
+//! control file. API 429/5xx bursts have no knob on this node (the agent, kubelet and the plugin
+//! reach the API server directly) and stay with the emulated one (reported as not supported).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
@@ -40,6 +41,12 @@ const RUN_DIR_BYTES: u64 = 1 << 20;
 const NODE_NETNS_DIR: &str = "/run/netns";
 const AGENT_COMM: &str = "install-cni";
 const PEER_COMM: &str = "fake-ztunnel";
+/// fake-ztunnel's control file on the node (`deploy/node/ztunnel-peer.yaml`).
+const PEER_CONTROL: &str = "/run/ztunnel-peer/control";
+/// fake-ztunnel reads its control file every 200 ms.
+const PEER_CONTROL_PERIOD: Duration = Duration::from_millis(500);
+/// The agent's ZDS ack deadline is 5 s; a "timeout" ack comes later than that.
+const LATE_ACK_MS: u64 = 6000;
 /// How long kubelet may take to run a pod or report its failed sandbox (its retries back off).
 const ADD_WAIT: Duration = Duration::from_secs(45);
 /// How long the node may take to converge after faults heal (watch backoffs, reconnects,
@@ -84,6 +91,12 @@ pub struct RealChurnNode {
     mid_add: (u64, u64),
     /// Pods that printed DIRECT after starting in the other writer's window.
     window_direct: u64,
+    /// The other writer's window outlasts the writer: until the installer chained the file
+    /// again and containerd reloaded it.
+    window_until: Option<Instant>,
+    /// The peer's answer to Adds (first line of its control file) and its disconnect count.
+    peer_reply: String,
+    peer_disconnects: u64,
 }
 
 /// `FailedCreatePodSandBox` events of a pod: how many (kubelet aggregates repeats into a count),
@@ -134,7 +147,32 @@ fn is_add_of(pid: u32, name: &str) -> bool {
         })
 }
 
+/// Writes fake-ztunnel's control file (atomically: the peer may read it at any moment).
+fn write_control(node: &RealNode, reply: &str, disconnects: u64) {
+    let path = node.node_path(PEER_CONTROL);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{reply}\ndisconnect {disconnects}\n")).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+}
+
+/// How long containerd may keep using a config version after the file changed (it reloads on
+/// inotify events).
+const CONFIG_RELOAD: Duration = Duration::from_secs(2);
+
 impl RealChurnNode {
+    /// Whether a sandbox set up now may read a config without our entry.
+    fn in_window(&self) -> bool {
+        self.rewriter.is_some() || self.window_until.is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Sets the peer's answer to Adds and waits until it read it.
+    async fn steer_peer(&mut self, reply: String) {
+        self.peer_reply = reply;
+        write_control(&self.node, &self.peer_reply, self.peer_disconnects);
+        tokio::time::sleep(PEER_CONTROL_PERIOD).await;
+    }
+
     /// Sets up a running node for the churn: the agent's run dir on a small tmpfs, our chart
     /// and the peer installed, the ambient namespace, the continuous conflist reader.
     pub async fn start(node: RealNode) -> Self {
@@ -146,6 +184,8 @@ impl RealChurnNode {
                 "mkdir -p {RUN_DIR} && mount -t tmpfs -o size={RUN_DIR_BYTES},mode=0755 tmpfs {RUN_DIR}"
             ),
         ]);
+        // Before the peer starts: its first read of the file sets the disconnect baseline.
+        write_control(&node, "ack", 0);
         node.install_chart(&[]).await;
         node.namespace(NAMESPACE, true).await;
         let chained = std::fs::read_to_string(node.node_path(CONFLIST)).expect("the conflist");
@@ -162,6 +202,9 @@ impl RealChurnNode {
             agent: Mutex::new(AgentTrack::default()),
             mid_add: (0, 0),
             window_direct: 0,
+            window_until: None,
+            peer_reply: "ack".into(),
+            peer_disconnects: 0,
         };
         churn.wait_healthy().await;
         churn
@@ -287,8 +330,8 @@ impl RealChurnNode {
             let out = self.node.container_output(NAMESPACE, name, uid, "app");
             let w = witnesses(&out);
             if let Some(first) = w.first() {
-                let window = self.pods.get(name).is_some_and(|p| p.in_writer_window)
-                    || self.rewriter.is_some();
+                let window =
+                    self.pods.get(name).is_some_and(|p| p.in_writer_window) || self.in_window();
                 return if *first == "DIRECT" && window {
                     AddOutcome::AddedWithoutPlugin
                 } else {
@@ -304,7 +347,7 @@ impl RealChurnNode {
     }
 
     fn record(&mut self, name: &str, outcome: &AddOutcome, failures: u64) {
-        let writer = self.rewriter.is_some();
+        let writer = self.in_window();
         let p = self.pods.get_mut(name).expect("pod known");
         p.failed_sandboxes = failures;
         p.in_writer_window |= writer;
@@ -583,6 +626,11 @@ impl ChurnNode for RealChurnNode {
                 | FaultKind::AgentKillMidAdd
                 | FaultKind::AgentPodDelete
                 | FaultKind::PeerRestart
+                | FaultKind::PeerNack
+                | FaultKind::PeerSlowAck
+                | FaultKind::PeerAckTimeout
+                | FaultKind::PeerCrashOnAdd
+                | FaultKind::PeerDisconnect
                 | FaultKind::ApiRestart
                 | FaultKind::ConflistRewriter
                 | FaultKind::DiskFull
@@ -599,7 +647,7 @@ impl ChurnNode for RealChurnNode {
                 uid: uid.clone(),
                 failed_sandboxes: 0,
                 added: false,
-                in_writer_window: self.rewriter.is_some(),
+                in_writer_window: self.in_window(),
             },
         );
         // kubelet starts the sandbox only after the scheduler bound the pod: the watcher for its
@@ -782,12 +830,22 @@ impl ChurnNode for RealChurnNode {
             FaultKind::DiskFull => {
                 super::fill(&self.node.node_path(&format!("{RUN_DIR}/filler")));
             }
-            FaultKind::PeerNack
-            | FaultKind::PeerSlowAck
-            | FaultKind::PeerAckTimeout
-            | FaultKind::PeerCrashOnAdd
-            | FaultKind::PeerDisconnect
-            | FaultKind::ApiErrorBurst => {
+            FaultKind::PeerNack => {
+                self.steer_peer("nack injected: proxy failed to start".into())
+                    .await
+            }
+            FaultKind::PeerSlowAck => {
+                let ms = rng.millis(100, 1500).as_millis();
+                self.steer_peer(format!("delay {ms}")).await
+            }
+            FaultKind::PeerAckTimeout => self.steer_peer(format!("delay {LATE_ACK_MS}")).await,
+            FaultKind::PeerCrashOnAdd => self.steer_peer("crash".into()).await,
+            FaultKind::PeerDisconnect => {
+                self.peer_disconnects += 1;
+                let reply = self.peer_reply.clone();
+                self.steer_peer(reply).await;
+            }
+            FaultKind::ApiErrorBurst => {
                 unreachable!("{kind:?} is not supported on the real node")
             }
         }
@@ -802,10 +860,24 @@ impl ChurnNode for RealChurnNode {
                     let writes = r.stop();
                     tracing::info!(writes, "churn: other writer stopped");
                 }
+                // The writer's last version has no entry until the installer chains it again.
+                // (Not chained in time is the quiet point's violation to report, not a panic.)
+                let path = self.node.node_path(CONFLIST);
+                let deadline = Instant::now() + CONVERGE;
+                while Instant::now() < deadline
+                    && !std::fs::read_to_string(&path).is_ok_and(|t| t.contains(ISTIO_CNI))
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                self.window_until = Some(Instant::now() + CONFIG_RELOAD);
             }
             FaultKind::DiskFull => {
                 let _ = std::fs::remove_file(self.node.node_path(&format!("{RUN_DIR}/filler")));
             }
+            FaultKind::PeerNack
+            | FaultKind::PeerSlowAck
+            | FaultKind::PeerAckTimeout
+            | FaultKind::PeerCrashOnAdd => self.steer_peer("ack".into()).await,
             _ => {}
         }
     }
