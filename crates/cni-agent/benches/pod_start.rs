@@ -4,14 +4,15 @@
 //! pods against non-mesh pods in the same node, 50 pods one at a time and 50 created at once:
 //! p50/p99 of the time from a pod's POST until the API server reports it Running (the ambient
 //! pod's redirection and ZDS hand-off happen inside its sandbox's CNI ADD, before that).
-//! Needs root; the node binaries and images are built on first use.
+//! With `ZTUNNEL_BIN` (a ztunnel built with its `testing` feature) the peer is the real ztunnel
+//! (`deploy/node/ztunnel.yaml`). Needs root; the node binaries and images are built on first use.
 //! Run: `cargo bench -p cni-agent --bench pod_start`. Prints one markdown table for BENCHMARKS.md.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cni_agent::testing::real_node::RealNode;
+use cni_agent::testing::real_node::{PEER, RealNode, ZTUNNEL};
 use futures::StreamExt;
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
@@ -160,7 +161,14 @@ async fn main() {
         std::process::exit(1);
     }
     let node = RealNode::up().await;
-    node.install_chart(&[]).await;
+    let peer = if std::env::var_os("ZTUNNEL_BIN").is_some() {
+        assert!(node.has_real_ztunnel(), "ZTUNNEL_BIN set, no ztunnel.tar");
+        ZTUNNEL
+    } else {
+        PEER
+    };
+    eprintln!("pod_start bench: ZDS peer from {peer}");
+    node.install_chart_with(&[], peer).await;
     let client = node.client();
 
     let mut rows = Vec::new();
