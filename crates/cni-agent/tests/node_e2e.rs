@@ -326,21 +326,13 @@ async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
     dataplane::require_root!();
     let mut node = TestNode::start(Backend::Iptables).await;
     let _peer = fast_peer(&node);
-    node.create_namespace("istio-system", &[]).await;
     node.create_namespace("mesh", &[AMBIENT]).await;
     node.create_namespace("plain", &[]).await;
-    let ds: k8s_openapi::api::apps::v1::DaemonSet = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "istio-cni-node"},
-        "spec": {"selector": {"matchLabels": {"k8s-app": "istio-cni-node"}},
-                 "template": {"metadata": {"labels": {"k8s-app": "istio-cni-node"}},
-                              "spec": {"containers": [{"name": "install-cni", "image": "install-cni"}]}}}
-    }))
-    .unwrap();
+    node.create_agent_daemonset().await;
     let dss = kube::Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(
         node.kube.client(),
         "istio-system",
     );
-    dss.create(&Default::default(), &ds).await.unwrap();
 
     // Upgrade: the DaemonSet still exists, so the plugin and its config entry stay.
     assert!(node.stop_agent().success(), "{}", node.agent_log());

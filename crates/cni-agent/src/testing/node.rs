@@ -487,6 +487,24 @@ impl TestNode {
             .unwrap();
     }
 
+    /// Creates istio-system and the agent's DaemonSet in it, as a cluster has them: a stopping
+    /// agent then reads an upgrade and keeps the plugin, its config entry and the host rules.
+    pub async fn create_agent_daemonset(&self) {
+        use k8s_openapi::api::apps::v1::DaemonSet;
+        self.create_namespace("istio-system", &[]).await;
+        let ds: DaemonSet = serde_json::from_value(json!({
+            "metadata": {"name": crate::ambient::upgrade::DAEMONSET},
+            "spec": {"selector": {"matchLabels": {"k8s-app": "istio-cni-node"}},
+                     "template": {"metadata": {"labels": {"k8s-app": "istio-cni-node"}},
+                                  "spec": {"containers": [{"name": "install-cni", "image": "install-cni"}]}}}
+        }))
+        .unwrap();
+        Api::<DaemonSet>::namespaced(self.kube.client(), "istio-system")
+            .create(&PostParams::default(), &ds)
+            .await
+            .unwrap();
+    }
+
     pub async fn label_namespace(&self, name: &str, key: &str, value: Option<&str>) {
         let patch = json!({"metadata": {"labels": {key: value}}});
         Api::<Namespace>::all(self.kube.client())

@@ -79,23 +79,8 @@ impl EmulatedNode {
             .await
             .unwrap();
         node.create_namespace(NAMESPACE, &[AMBIENT]).await;
-        // In a cluster the agent's DaemonSet exists, so an agent that exits keeps the plugin,
-        // its config entry and the host rules (the upgrade path) instead of uninstalling.
-        node.create_namespace("istio-system", &[]).await;
-        let ds: k8s_openapi::api::apps::v1::DaemonSet = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "istio-cni-node"},
-            "spec": {"selector": {"matchLabels": {"k8s-app": "istio-cni-node"}},
-                     "template": {"metadata": {"labels": {"k8s-app": "istio-cni-node"}},
-                                  "spec": {"containers": [{"name": "install-cni", "image": "install-cni"}]}}}
-        }))
-        .unwrap();
-        kube::Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(
-            node.kube.client(),
-            "istio-system",
-        )
-        .create(&Default::default(), &ds)
-        .await
-        .unwrap();
+        // An agent that exits must take the upgrade path, not uninstall.
+        node.create_agent_daemonset().await;
         let primary = without_ours(&node.conflist());
         let reader = ConflistReader::start(node.path("net.d/10-e2e.conflist"), "e2e");
         EmulatedNode {
