@@ -701,6 +701,79 @@ async fn backend_switch_on_a_live_node_strands_nothing() {
     }
 }
 
+/// The node's iptables variant changes under a live agent (an OS upgrade from iptables-legacy to
+/// iptables-nft; forced here): pods enrolled before are redirected by the new variant only, the
+/// host's chains move with it while the probe sets stay, and a pod leaving the mesh is clean of
+/// both variants.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn iptables_variant_switch_on_a_live_node_strands_nothing() {
+    dataplane::require_root!();
+    use cni_agent::testing::node::serve_hello;
+    let in_variant = |ns: &dataplane::test_support::TestNetns, variant: &str| {
+        format!(
+            "{}{}",
+            ns.exec(&format!("iptables-{variant}-save"), &[]),
+            ns.exec(&format!("ip6tables-{variant}-save"), &[])
+        )
+    };
+    let force = |node: &mut TestNode, variant: &str| {
+        node.extra_env.retain(|(k, _)| k != "FORCE_IPTABLES_BINARY");
+        node.extra_env
+            .push(("FORCE_IPTABLES_BINARY".into(), variant.into()));
+    };
+    let mut node = TestNode::start(Backend::Iptables).await;
+    node.extra_env.push((
+        "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP".into(),
+        "false".into(),
+    ));
+    let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
+    cfg.max_backoff = Duration::from_millis(200);
+    cfg.proxies = Some(std::sync::Arc::new(
+        cni_agent::testing::zds_peer::PodProxies,
+    ));
+    let peer = ZdsPeer::start(cfg);
+    force(&mut node, "legacy");
+    node.switch_backend(Backend::Iptables).await;
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let (old, r) = node.create_pod("mesh", "old", &[]).await;
+    r.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    serve_hello(&old, 8080);
+    let host = &node.node_netns;
+    assert!(in_variant(&old.netns, "legacy").contains("ISTIO_OUTPUT"));
+    assert!(!in_variant(&old.netns, "nft").contains("ISTIO"));
+    assert!(in_variant(host, "legacy").contains("ISTIO_POSTRT"));
+    assert!(!in_variant(host, "nft").contains("ISTIO"));
+
+    force(&mut node, "nft");
+    node.switch_backend(Backend::Iptables).await;
+    let host = &node.node_netns;
+    let (legacy, nft) = (in_variant(host, "legacy"), in_variant(host, "nft"));
+    assert!(
+        !legacy.contains("ISTIO") && nft.contains("ISTIO_POSTRT"),
+        "host chains should have moved to nft:\n{legacy}\n{nft}\n{}",
+        node.agent_log()
+    );
+    let sets = host.exec("ipset", &["list", "-n"]);
+    assert!(sets.contains("istio-inpod-probes-v4"), "{sets}");
+    let (legacy, nft) = (
+        in_variant(&old.netns, "legacy"),
+        in_variant(&old.netns, "nft"),
+    );
+    assert!(
+        !legacy.contains("ISTIO") && nft.contains("ISTIO_OUTPUT"),
+        "the old pod should be redirected by nft only:\n{legacy}\n{nft}"
+    );
+    let (new, r) = node.create_pod("mesh", "new", &[]).await;
+    r.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    assert!(!in_variant(&new.netns, "legacy").contains("ISTIO"));
+    request_through_peer(&peer, &new, &old).await;
+
+    node.label_pod(&old, AMBIENT.0, Some("none")).await;
+    node.wait_redirection(&old, None).await;
+    wait_peer_has(&peer, &old.uid, false).await;
+    assert_pod_clean(&old);
+}
+
 /// AWS Security Groups for Pods: a pod whose host route lives in an `iif` table (aws-vpc-cni's
 /// branch-ENI setup, here faked on the test bridge) gets Istio's two probe rules while enrolled,
 /// on nodes with `tcp_early_demux=0` only, and loses them on removal and on uninstall.

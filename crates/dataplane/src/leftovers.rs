@@ -1,8 +1,9 @@
-//! What the backend not in use left behind after a switch on a live node (iptables ↔ nftables):
-//! host `ISTIO_*` chains and the `istio-inpod-probes-*` ipsets, or the nftables host table; in
-//! pods enrolled before the switch, the other backend's redirection. A pod whose old rules
-//! survive keeps redirecting to ztunnel after it leaves the mesh, so the agent finds and removes
-//! them (Istio instead keeps iptables until the next reboot).
+//! What the backend not in use left behind after a switch on a live node (iptables ↔ nftables,
+//! or one iptables variant to the other, as when a node's OS moves from iptables-legacy to
+//! iptables-nft): host `ISTIO_*` chains and the `istio-inpod-probes-*` ipsets, or the nftables
+//! host table; in pods enrolled before the switch, the other backend's redirection. A pod whose
+//! old rules survive keeps redirecting to ztunnel after it leaves the mesh, so the agent finds and
+//! removes them (Istio instead keeps iptables until the next reboot).
 //!
 //! Finding is cheap, because it runs on every enrollment and removal: nftables tables are listed
 //! over netlink, legacy iptables tables are read from the namespace's `/proc/.../net` files, and
@@ -28,12 +29,31 @@ struct Variant {
     legacy: bool,
 }
 
-/// iptables state of a node now using nftables: every variant whose tools run here.
+/// iptables state of a node now using nftables (every variant whose tools run here), or now
+/// using the other iptables variant ([`IptablesLeftovers::other_than`]).
 pub struct IptablesLeftovers {
     variants: Vec<Variant>,
 }
 
 impl IptablesLeftovers {
+    /// The usable variants other than the one the agent now drives.
+    pub fn other_than(current: crate::iptables::detect::Variant) -> Self {
+        let mut all = Self::find();
+        all.variants
+            .retain(|v| v.legacy != (current == crate::iptables::detect::Variant::Legacy));
+        all
+    }
+
+    /// The variants held, as logs name them: `iptables-legacy`, `iptables-nft`.
+    pub fn names(&self) -> String {
+        let names: Vec<String> = self
+            .variants
+            .iter()
+            .map(|v| v.backend.binaries().prefix.clone())
+            .collect();
+        names.join(", ")
+    }
+
     /// The usable variants among `iptables-legacy` and `iptables-nft` (plain `iptables` when
     /// neither exists). Only `--version` runs: probing a table would load legacy modules.
     pub fn find() -> Self {
@@ -106,9 +126,9 @@ impl IptablesLeftovers {
         Ok(found)
     }
 
-    /// Removes the host's `ISTIO_*` chains (probe SNAT) of every variant, then the probe ipsets
-    /// they referred to; returns whether anything was there. No `ipset` tool means no sets of ours.
-    pub fn clear_host(&self, host: &Netns) -> Result<bool, HostError> {
+    /// Removes the host's `ISTIO_*` chains (probe SNAT) of every variant held; returns whether
+    /// there were any. The probe ipsets stay: the variant in use refers to the same sets.
+    pub fn clear_host_chains(&self, host: &Netns) -> Result<bool, HostError> {
         let mut found = false;
         for v in &self.variants {
             let nothing = |_| Vec::new();
@@ -117,6 +137,13 @@ impl IptablesLeftovers {
                 found = true;
             }
         }
+        Ok(found)
+    }
+
+    /// [`IptablesLeftovers::clear_host_chains`], then the probe ipsets they referred to (a node
+    /// now on nftables); returns whether anything was there. No `ipset` tool means no sets of ours.
+    pub fn clear_host(&self, host: &Netns) -> Result<bool, HostError> {
+        let mut found = self.clear_host_chains(host)?;
         let sets = ProbeSet { host };
         for family in [Family::V4, Family::V6] {
             match sets.list(family) {

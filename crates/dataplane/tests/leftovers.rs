@@ -68,6 +68,34 @@ fn iptables_pod_rules_of_either_variant_are_found_and_removed() {
     }
 }
 
+/// After a switch of iptables variant, only the variant not in use counts as leftovers: the
+/// rules of the one in use are the pod's redirection.
+#[test]
+fn other_than_holds_only_the_variant_not_in_use() {
+    dataplane::require_root!();
+    use dataplane::iptables::detect::Variant;
+    let ns = TestNetns::new("left-var");
+    let netns = ns.open();
+    IptablesBackend::detect(Some("legacy"), true)
+        .unwrap()
+        .apply(&netns, &cfg())
+        .unwrap();
+    let on_legacy = IptablesLeftovers::other_than(Variant::Legacy);
+    let on_nft = IptablesLeftovers::other_than(Variant::Nft);
+    assert_eq!(on_legacy.names(), "iptables-nft");
+    assert_eq!(on_nft.names(), "iptables-legacy");
+    assert!(!on_legacy.in_pod(&netns).unwrap());
+    assert!(!on_legacy.clear_pod(&netns).unwrap());
+    assert!(
+        all_iptables(&ns).contains("ISTIO_OUTPUT"),
+        "the rules in use stay"
+    );
+    assert!(on_nft.in_pod(&netns).unwrap());
+    assert!(on_nft.clear_pod(&netns).unwrap());
+    let rules = all_iptables(&ns);
+    assert!(!rules.contains("ISTIO"), "{rules}");
+}
+
 #[test]
 fn nft_pod_tables_are_found_and_removed() {
     dataplane::require_root!();

@@ -1,8 +1,9 @@
 //! The node's dataplane as the agent uses it: the chosen backend for in-pod rules, and the host
 //! side (probe SNAT rule and the set of enrolled pod IPs) in the host network namespace.
 //!
-//! The other backend's state, left by an agent that ran with it before a switch, is removed from
-//! the host at startup and from each pod whenever the pod is enrolled, repaired or removed.
+//! The other backend's state (nftables or the other iptables variant, for an iptables node),
+//! left by an agent that ran with it before a switch, is removed from the host at startup and
+//! from each pod whenever the pod is enrolled, repaired or removed.
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -23,7 +24,11 @@ use dataplane::nft::host::ProbeSets;
 use super::mesh::{BoxError, PodRules, ProbeSet};
 
 enum Backend {
-    Iptables(IptablesBackend),
+    Iptables {
+        backend: IptablesBackend,
+        /// What an agent on the other iptables variant may have left on this node.
+        other_variant: IptablesLeftovers,
+    },
     Nftables {
         host: HostProbeConfig,
         /// What an iptables agent may have left on this node.
@@ -77,7 +82,10 @@ impl NodeDataplane {
             // Detection runs in the host namespace: the pods use the variant the host uses.
             let detected = host.run(|| IptablesBackend::detect(force_iptables, cfg.ipv6))??;
             tracing::info!(iptables = %detected.choice(), "iptables variant chosen");
-            Backend::Iptables(detected.with_scoped_locking(scoped_xtables_locking))
+            Backend::Iptables {
+                other_variant: IptablesLeftovers::other_than(detected.binaries().variant),
+                backend: detected.with_scoped_locking(scoped_xtables_locking),
+            }
         };
         Ok(NodeDataplane {
             backend,
@@ -89,31 +97,39 @@ impl NodeDataplane {
 
     fn rules(&self) -> &dyn InpodRules {
         match &self.backend {
-            Backend::Iptables(b) => b,
+            Backend::Iptables { backend, .. } => backend,
             Backend::Nftables { .. } => &NftablesBackend,
         }
     }
 
-    /// The backend not in use, as logs name it.
-    fn previous_name(&self) -> &'static str {
+    /// The backends not in use, as logs name them.
+    fn previous_name(&self) -> String {
         match &self.backend {
-            Backend::Iptables(_) => "nftables",
-            Backend::Nftables { .. } => "iptables",
+            Backend::Iptables { other_variant, .. } => {
+                format!("nftables, {}", other_variant.names())
+            }
+            Backend::Nftables { .. } => "iptables".into(),
         }
     }
 
-    /// Whether the pod still holds rules of the backend not in use.
+    /// Whether the pod still holds rules of a backend not in use.
     pub fn leftovers_in_pod(&self, netns: &Netns) -> Result<bool, BoxError> {
         Ok(match &self.backend {
-            Backend::Iptables(_) => leftovers::nft_in_pod(netns)?,
+            Backend::Iptables { other_variant, .. } => {
+                leftovers::nft_in_pod(netns)? || other_variant.in_pod(netns)?
+            }
             Backend::Nftables { previous, .. } => previous.in_pod(netns)?,
         })
     }
 
-    /// Removes the rules of the backend not in use from the pod.
+    /// Removes the rules of the backends not in use from the pod.
     fn clear_pod_leftovers(&self, netns: &Netns) -> Result<(), BoxError> {
         let cleared = match &self.backend {
-            Backend::Iptables(_) => leftovers::clear_nft_pod(netns)?,
+            Backend::Iptables { other_variant, .. } => {
+                // Both run: either may hold rules, whatever the other found.
+                let nft = leftovers::clear_nft_pod(netns)?;
+                other_variant.clear_pod(netns)? || nft
+            }
             Backend::Nftables { previous, .. } => previous.clear_pod(netns)?,
         };
         if cleared {
@@ -128,7 +144,10 @@ impl NodeDataplane {
     /// Removes the host rules and probe sets of the backend not in use.
     fn clear_host_leftovers(&self) -> Result<(), BoxError> {
         let cleared = match &self.backend {
-            Backend::Iptables(_) => leftovers::clear_nft_host(&self.host)?,
+            Backend::Iptables { other_variant, .. } => {
+                let nft = leftovers::clear_nft_host(&self.host)?;
+                other_variant.clear_host_chains(&self.host)? || nft
+            }
             Backend::Nftables { previous, .. } => previous.clear_host(&self.host)?,
         };
         if cleared {
@@ -187,7 +206,7 @@ impl NodeDataplane {
     pub fn setup_host(&self) -> Result<(), BoxError> {
         self.clear_host_leftovers()?;
         match &self.backend {
-            Backend::Iptables(b) => {
+            Backend::Iptables { backend: b, .. } => {
                 dataplane::host::apply_rules(&self.host, b, &self.cfg)?;
                 let sets = dataplane::host::ProbeSet { host: &self.host };
                 for f in self.families() {
@@ -214,7 +233,7 @@ impl NodeDataplane {
         }
         self.clear_host_leftovers()?;
         match &self.backend {
-            Backend::Iptables(b) => {
+            Backend::Iptables { backend: b, .. } => {
                 dataplane::host::remove_rules(&self.host, b)?;
                 let sets = dataplane::host::ProbeSet { host: &self.host };
                 for f in self.families() {
@@ -276,7 +295,7 @@ impl PodRules for NodeDataplane {
 impl NodeDataplane {
     fn set_upsert(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError> {
         match &self.backend {
-            Backend::Iptables(_) => {
+            Backend::Iptables { .. } => {
                 if ip.is_ipv6() && !self.cfg.ipv6 {
                     return Ok(());
                 }
@@ -291,7 +310,7 @@ impl NodeDataplane {
 
     fn set_remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError> {
         match &self.backend {
-            Backend::Iptables(_) => {
+            Backend::Iptables { .. } => {
                 if ip.is_ipv6() && !self.cfg.ipv6 {
                     return Ok(());
                 }
@@ -317,7 +336,7 @@ impl NodeDataplane {
                 ProbeSets { ipv6: host.ipv6 }.upsert_many(&self.host, &refs)?;
                 Ok(())
             }
-            Backend::Iptables(_) => entries
+            Backend::Iptables { .. } => entries
                 .iter()
                 .try_for_each(|(ip, uid)| self.set_upsert(*ip, uid)),
         }
@@ -355,7 +374,7 @@ impl ProbeSet for NodeDataplane {
 
     fn prune(&self, keep: &HashSet<IpAddr>) -> Result<(), BoxError> {
         match &self.backend {
-            Backend::Iptables(_) => {
+            Backend::Iptables { .. } => {
                 let sets = dataplane::host::ProbeSet { host: &self.host };
                 let keep: Vec<IpAddr> = keep.iter().copied().collect();
                 for f in self.families() {
