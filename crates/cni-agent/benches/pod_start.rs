@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cni_agent::testing::real_node::{PEER, RealNode, ZTUNNEL};
+use cni_agent::testing::real_node::{PEER, RealNode, ZTUNNEL, busybox_pod};
 use futures::StreamExt;
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
@@ -79,19 +79,7 @@ impl Running {
 }
 
 fn pod(name: &str) -> Pod {
-    serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{
-                "name": "app",
-                "image": "localhost/istio-cni-rs/busybox:dev",
-                "imagePullPolicy": "Never",
-                "command": ["sleep", "3600"]
-            }]
-        }
-    }))
-    .unwrap()
+    serde_json::from_value(busybox_pod(name, &["sleep", "3600"])).unwrap()
 }
 
 /// Creates `names` (all at once when `burst`, else each after the previous one is Running);

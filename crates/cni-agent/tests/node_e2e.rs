@@ -196,8 +196,21 @@ async fn agent_down_fails_closed_for_ambient_pods_only() {
 }
 
 fn fast_peer(node: &TestNode) -> ZdsPeer {
+    ZdsPeer::start(fast_peer_config(node))
+}
+
+fn fast_peer_config(node: &TestNode) -> PeerConfig {
     let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
     cfg.max_backoff = Duration::from_millis(200);
+    cfg
+}
+
+/// A [`fast_peer`] that also opens the in-pod listeners, so traffic can go through it.
+fn proxying_peer(node: &TestNode) -> ZdsPeer {
+    let mut cfg = fast_peer_config(node);
+    cfg.proxies = Some(std::sync::Arc::new(
+        cni_agent::testing::zds_peer::PodProxies,
+    ));
     ZdsPeer::start(cfg)
 }
 
@@ -648,12 +661,7 @@ async fn backend_switch_on_a_live_node_strands_nothing() {
         "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP".into(),
         "false".into(),
     ));
-    let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
-    cfg.max_backoff = Duration::from_millis(200);
-    cfg.proxies = Some(std::sync::Arc::new(
-        cni_agent::testing::zds_peer::PodProxies,
-    ));
-    let peer = ZdsPeer::start(cfg);
+    let peer = proxying_peer(&node);
     node.create_namespace("mesh", &[AMBIENT]).await;
     let mut pods = Vec::new();
     for name in ["old-a", "old-b"] {
@@ -726,12 +734,7 @@ async fn iptables_variant_switch_on_a_live_node_strands_nothing() {
         "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP".into(),
         "false".into(),
     ));
-    let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
-    cfg.max_backoff = Duration::from_millis(200);
-    cfg.proxies = Some(std::sync::Arc::new(
-        cni_agent::testing::zds_peer::PodProxies,
-    ));
-    let peer = ZdsPeer::start(cfg);
+    let peer = proxying_peer(&node);
     force(&mut node, "legacy");
     node.switch_backend(Backend::Iptables).await;
     node.create_namespace("mesh", &[AMBIENT]).await;

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use cni_agent::testing::real_node::{
     AMBIENT, CHART, CONFLIST, NODE_NAME, REDIRECTION, RealNode, VALUES, WITNESS, ZTUNNEL,
-    annotation, running, witness_pod as pod,
+    annotation, busybox_pod, running, witness_pod as pod,
 };
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -518,16 +518,16 @@ async fn real_ztunnel_daemonset_proxies_kubelets_pods_over_hbone() {
     node.install_chart_with(&[], ZTUNNEL).await;
 
     namespace(&node, "zt", true).await;
-    let mut server = pod("server", "");
-    server["spec"]["containers"][0]["command"] = json!([
-        "sh",
-        "-c",
-        "mkdir /www; echo hello > /www/index.html; exec httpd -f -p 8080 -h /www"
-    ]);
-    let mut client = pod("client", "");
-    client["spec"]["containers"][0]["command"] = json!(["sleep", "3600"]);
+    let server = busybox_pod(
+        "server",
+        &[
+            "sh",
+            "-c",
+            "mkdir /www; echo hello > /www/index.html; exec httpd -f -p 8080 -h /www",
+        ],
+    );
     create(&node, "zt", server).await;
-    create(&node, "zt", client).await;
+    create(&node, "zt", busybox_pod("client", &["sleep", "3600"])).await;
     let mut ips = BTreeMap::new();
     for name in ["server", "client"] {
         let p = wait_running(&node, "zt", name).await;

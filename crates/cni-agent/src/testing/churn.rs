@@ -364,6 +364,28 @@ impl ChurnReport {
     }
 }
 
+/// The whole churn on the node `start` brings up, on a 2-worker runtime like the agent's;
+/// violations come with `log(node)` (the agent's log tail) on stderr.
+pub fn run_on<N: ChurnNode>(
+    cfg: &ChurnConfig,
+    start: impl std::future::Future<Output = N>,
+    log: impl Fn(&N) -> String,
+) -> ChurnReport {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut node = start.await;
+        let report = run(&mut node, cfg).await;
+        if !report.violations.is_empty() {
+            eprintln!("agent log (tail):\n{}", log(&node));
+        }
+        report
+    })
+}
+
 /// Runs the churn on `node`; the report carries every violation (none means it passed).
 pub async fn run<N: ChurnNode>(node: &mut N, cfg: &ChurnConfig) -> ChurnReport {
     let started = Instant::now();

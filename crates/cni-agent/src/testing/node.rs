@@ -200,6 +200,19 @@ pub struct TestPod {
     pub container_id: String,
 }
 
+impl TestPod {
+    /// The pod's sandbox as the runtime hands it to the CNI chain.
+    fn sandbox(&self) -> Sandbox {
+        Sandbox::k8s(
+            &self.container_id,
+            self.netns.path(),
+            &self.namespace,
+            &self.name,
+            &self.uid,
+        )
+    }
+}
+
 impl TestNode {
     pub async fn start(backend: Backend) -> TestNode {
         Self::start_as(backend, Identity::Admin).await
@@ -646,13 +659,7 @@ impl TestNode {
         prev: Option<Value>,
     ) -> Result<Option<Value>, CniRuntimeError> {
         let runtime = runtime.clone();
-        let sandbox = Sandbox::k8s(
-            &pod.container_id,
-            pod.netns.path(),
-            &pod.namespace,
-            &pod.name,
-            &pod.uid,
-        );
+        let sandbox = pod.sandbox();
         tokio::task::spawn_blocking(move || {
             let count = runtime.plugin_count();
             let ours = runtime.position(ISTIO_CNI).unwrap_or(count);
@@ -739,13 +746,7 @@ impl TestNode {
         cached: Option<Value>,
     ) -> Result<(), CniRuntimeError> {
         let runtime = self.runtime();
-        let sandbox = Sandbox::k8s(
-            &pod.container_id,
-            pod.netns.path(),
-            &pod.namespace,
-            &pod.name,
-            &pod.uid,
-        );
+        let sandbox = pod.sandbox();
         tokio::task::spawn_blocking(move || runtime.del(&sandbox, cached.as_ref()))
             .await
             .unwrap()

@@ -38,8 +38,8 @@ pub const REDIRECTION: &str = "ambient.istio.io/redirection";
 pub const WITNESS: &str =
     "if nc -w 2 10.244.0.1 9 </dev/null; then echo REDIRECTED; else echo DIRECT; fi";
 
-/// A busybox pod whose container `app` runs the [`WITNESS`], then `then`.
-pub fn witness_pod(name: &str, then: &str) -> serde_json::Value {
+/// A busybox pod of the node's image whose one container `app` runs `command`.
+pub fn busybox_pod(name: &str, command: &[&str]) -> serde_json::Value {
     serde_json::json!({
         "metadata": {"name": name},
         "spec": {
@@ -48,10 +48,15 @@ pub fn witness_pod(name: &str, then: &str) -> serde_json::Value {
                 "name": "app",
                 "image": "localhost/istio-cni-rs/busybox:dev",
                 "imagePullPolicy": "Never",
-                "command": ["sh", "-c", format!("{WITNESS}; {then}")]
+                "command": command
             }]
         }
     })
+}
+
+/// A [`busybox_pod`] whose container runs the [`WITNESS`], then `then`.
+pub fn witness_pod(name: &str, then: &str) -> serde_json::Value {
+    busybox_pod(name, &["sh", "-c", &format!("{WITNESS}; {then}")])
 }
 
 /// Running with every container ready.

@@ -46,10 +46,10 @@ pub fn without_ours(chained: &str) -> Vec<u8> {
 }
 
 /// Another writer of the primary config, writing its own version without our entry,
-/// atomically, in a loop, until stopped.
+/// atomically, in a loop, until stopped or dropped.
 pub struct Rewriter {
     stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<u64>,
+    thread: Option<std::thread::JoinHandle<u64>>,
 }
 
 impl Rewriter {
@@ -68,13 +68,26 @@ impl Rewriter {
             }
             writes
         });
-        Rewriter { stop, thread }
+        Rewriter {
+            stop,
+            thread: Some(thread),
+        }
     }
 
     /// Stops the writer; returns how many versions it wrote.
-    pub fn stop(self) -> u64 {
+    pub fn stop(mut self) -> u64 {
+        self.halt()
+    }
+
+    fn halt(&mut self) -> u64 {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().unwrap_or(0)
+        self.thread.take().map_or(0, |t| t.join().unwrap_or(0))
+    }
+}
+
+impl Drop for Rewriter {
+    fn drop(&mut self) {
+        self.halt();
     }
 }
 

@@ -538,31 +538,10 @@ impl ChurnNode for EmulatedNode {
     }
 }
 
-/// The whole churn on a fresh emulated node: private mount namespace (so this must run before
-/// the process starts any thread), a 2-worker runtime like the agent's, the run, the report.
-/// Violations come with the tail of the agent's log on stderr.
+/// The whole churn on a fresh emulated node, in a private mount namespace (so this must run
+/// before the process starts any thread).
 pub fn run_emulated(cfg: &super::ChurnConfig, backend: Backend) -> super::ChurnReport {
     crate::testing::node::private_mount_namespace()
         .expect("unshare(CLONE_NEWNS) needs root and a single thread");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let mut node = EmulatedNode::start(backend).await;
-        let report = super::run(&mut node, cfg).await;
-        if !report.violations.is_empty() {
-            eprintln!("agent log (tail):\n{}", node.agent_log());
-        }
-        report
-    })
-}
-
-impl Drop for EmulatedNode {
-    fn drop(&mut self) {
-        if let Some(r) = self.rewriter.take() {
-            r.stop();
-        }
-    }
+    super::run_on(cfg, EmulatedNode::start(backend), EmulatedNode::agent_log)
 }

@@ -895,32 +895,14 @@ impl ChurnNode for RealChurnNode {
 }
 
 /// The whole churn on a fresh real node (kubelet's crash-loop backoff capped at
-/// [`MAX_RESTART_BACKOFF`]): a 2-worker runtime like the agent's, the run, the report.
-/// Violations come with the tail of the agent's logs on stderr.
+/// [`MAX_RESTART_BACKOFF`]).
 pub fn run_real(cfg: &super::ChurnConfig) -> super::ChurnReport {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    let start = async {
         let node =
             RealNode::up_with(&[("REAL_NODE_MAX_RESTART_BACKOFF", MAX_RESTART_BACKOFF)]).await;
-        let mut node = RealChurnNode::start(node).await;
-        let report = super::run(&mut node, cfg).await;
-        if !report.violations.is_empty() {
-            eprintln!("agent log (tail):\n{}", node.agent_log());
-        }
-        report
-    })
-}
-
-impl Drop for RealChurnNode {
-    fn drop(&mut self) {
-        if let Some(r) = self.rewriter.take() {
-            r.stop();
-        }
-    }
+        RealChurnNode::start(node).await
+    };
+    super::run_on(cfg, start, RealChurnNode::agent_log)
 }
 
 #[cfg(test)]
