@@ -6,8 +6,10 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::ambient::config::{AmbientArgs, AmbientConfig};
-use crate::config::{self, InstallArgs, InstallConfig, LogArgs, ProcessEnv};
+use crate::config::{self, ProcessEnv};
 use crate::install::Installer;
+use crate::install::config::{ConfMode, InstallArgs, InstallConfig};
+use crate::logging::LogArgs;
 
 /// Istio CNI node agent (installer).
 #[derive(Parser, Debug)]
@@ -135,7 +137,7 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
             client,
             native_nftables: cli.install.native_nftables,
             pod_namespace: cli.install.pod_namespace.clone(),
-            owned_config: matches!(cfg.mode, config::ConfMode::Owned { .. }),
+            owned_config: matches!(cfg.mode, ConfMode::Owned { .. }),
         })
     } else {
         None

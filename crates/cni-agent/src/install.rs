@@ -20,6 +20,7 @@
 //!   runtime never sees list content under a `.conf` name.
 
 pub mod binaries;
+pub mod config;
 pub mod discovery;
 pub mod kubeconfig;
 pub mod throttle;
@@ -32,9 +33,9 @@ use cni_core::conflist::{self, ConfError, PLUGIN_TYPE};
 use serde_json::Value;
 use tokio::sync::watch as tokio_watch;
 
-use crate::config::{ConfMode, InstallConfig};
 use crate::hostfs::{EntryKind, FileMode, HostDir, HostFsError};
 use crate::metrics::{InstallResults, install_result};
+use config::{ConfMode, InstallConfig};
 use discovery::DiscoveryError;
 use throttle::Throttle;
 use watch::{FileWatch, WatchError};

@@ -15,7 +15,5 @@ pub mod metrics;
 pub mod netns_cache;
 pub mod procfs;
 pub mod repair;
-#[cfg(any(test, feature = "testing"))]
-pub mod testing;
 pub mod uds;
 pub mod zds;

@@ -5,13 +5,110 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use clap::{ArgAction, Args};
 use dataplane::logfile::{RotatingFile, Rotation};
 use tracing_subscriber::fmt::MakeWriter;
 
-use crate::config::{ConfigError, LogArgs};
+use crate::config::{ConfigError, go_bool};
+
+/// Istio's logging flags (`istio.io/pkg/log`; names kept with underscores, as Helm passes them).
+/// [`crate::logging`] applies them.
+#[derive(Args, Debug, Clone)]
+pub struct LogArgs {
+    /// `level` or `scope:level,...` (scopes: cni-agent, cni-plugin); e.g. `info` or `cni-plugin:debug`.
+    #[arg(long = "log_output_level", default_value = "info", global = true)]
+    pub log_output_level: String,
+    /// Log JSON lines instead of text.
+    #[arg(long = "log_as_json", default_value = "false", action = ArgAction::Set, num_args = 0..=1,
+          require_equals = true, default_missing_value = "true", value_parser = go_bool, global = true)]
+    pub log_as_json: bool,
+    /// Where logs go: `stdout`, `stderr` or file paths (comma-separated or repeated). Default
+    /// stderr, not Istio's stdout: stdout carries command output (`install --once`, `explain`).
+    #[arg(
+        long = "log_target",
+        default_value = "stderr",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub log_target: Vec<String>,
+    /// Scopes whose records carry the source location (`cni-agent`, or `default` for all).
+    #[arg(long = "log_caller", default_value = "", global = true)]
+    pub log_caller: String,
+    /// `level` or `scope:level,...` from which Istio adds stack traces; accepted and validated,
+    /// but a Rust log site has no stack to print.
+    #[arg(long = "log_stacktrace_level", default_value = "none", global = true)]
+    pub log_stacktrace_level: String,
+    /// A file that also receives the logs, rotated by size.
+    #[arg(long = "log_rotate", global = true)]
+    pub log_rotate: Option<PathBuf>,
+    /// Size in megabytes at which the `--log_rotate` file is rotated.
+    #[arg(
+        long = "log_rotate_max_size",
+        default_value = "104857600",
+        global = true
+    )]
+    pub log_rotate_max_size: u64,
+    /// Rotated files kept (0: no limit).
+    #[arg(long = "log_rotate_max_backups", default_value = "1000", global = true)]
+    pub log_rotate_max_backups: u32,
+    /// Rotated files older than this many days are deleted at rotation (0: no limit).
+    #[arg(long = "log_rotate_max_age", default_value = "30", global = true)]
+    pub log_rotate_max_age: u32,
+}
+
+const LEVELS: [&str; 6] = ["none", "fatal", "error", "warn", "info", "debug"];
+
+/// The level `spec` (`level` or `scope:level,...`) gives `scope`, else its unscoped level, else
+/// `default`.
+fn scoped_level(
+    option: &'static str,
+    spec: &str,
+    scope: &str,
+    default: &'static str,
+) -> Result<String, ConfigError> {
+    let mut unscoped = default;
+    let mut scoped = None;
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (s, level) = match part.split_once(':') {
+            Some((s, l)) => (Some(s), l),
+            None => (None, part),
+        };
+        if !LEVELS.contains(&level) {
+            return Err(ConfigError::invalid(
+                option,
+                format!("unknown level {level:?}"),
+            ));
+        }
+        match s {
+            // Istio's catch-all scope sets the default like an unscoped level.
+            None | Some("default") => unscoped = level,
+            Some(s) if s == scope => scoped = Some(level),
+            Some(_) => {}
+        }
+    }
+    Ok(scoped.unwrap_or(unscoped).to_string())
+}
+
+impl LogArgs {
+    /// Level of `scope`, falling back to the unscoped level, then `info`.
+    pub fn level_of(&self, scope: &str) -> Result<String, ConfigError> {
+        scoped_level("--log_output_level", &self.log_output_level, scope, "info")
+    }
+
+    /// `--log_stacktrace_level` of `scope`.
+    pub fn stacktrace_level_of(&self, scope: &str) -> Result<String, ConfigError> {
+        scoped_level(
+            "--log_stacktrace_level",
+            &self.log_stacktrace_level,
+            scope,
+            "none",
+        )
+    }
+}
 
 /// The scope every agent component logs under; plugin records are re-emitted as `cni-plugin`.
 pub const AGENT_SCOPE: &str = "cni-agent";

@@ -10,8 +10,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cni_agent::cli::Cli;
-use cni_agent::config::{InstallConfig, parse_from};
+use cni_agent::config::parse_from;
 use cni_agent::install::Installer;
+use cni_agent::install::config::InstallConfig;
 use serde_json::Value;
 
 const TESTDATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/testdata/install");

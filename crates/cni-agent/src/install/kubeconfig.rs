@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use base64::Engine;
 
-use crate::config::InstallConfig;
 use crate::hostfs::{FileMode, HostDir, HostFsError};
+use crate::install::config::InstallConfig;
 
 /// File name inside the agent run dir.
 pub const KUBECONFIG_FILENAME: &str = "istio-cni-kubeconfig";
@@ -122,7 +122,7 @@ pub fn redacted(content: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{ConfMode, KubeService};
+    use crate::install::config::{ConfMode, KubeService};
     use std::os::unix::fs::PermissionsExt;
 
     const TLS_GOLDEN: &str = "apiVersion: v1

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use super::netns::{FindError, PodNetnsFinder};
 use crate::ambient::config::AmbientArgs;
 use crate::ambient::hints::NetnsHints;
-use crate::config::InstallArgs;
+use crate::install::config::InstallArgs;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InPlaceError {

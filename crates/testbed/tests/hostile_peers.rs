@@ -15,7 +15,6 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::post;
 use cni_agent::netns_cache::NetnsCache;
-use cni_agent::testing::zds_peer::{PeerConfig, WorkloadState, ZdsPeer};
 use cni_agent::uds::PeerCheckedListener;
 use cni_agent::zds::{ZdsConfig, ZdsHandle, ZdsServer, packet};
 use cni_core::zds::{WorkloadInfo, ZdsHello, encode_hello};
@@ -23,6 +22,7 @@ use dataplane::netns::Netns;
 use dataplane::require_root;
 use dataplane::test_support::as_user;
 use nix::sys::socket::{AddressFamily, MsgFlags, SockFlag, SockType, UnixAddr};
+use testbed::zds_peer::{PeerConfig, WorkloadState, ZdsPeer};
 use tokio_seqpacket::UnixSeqpacket;
 
 const NOBODY: u32 = 65534;

@@ -12,7 +12,6 @@ use cni_agent::metrics::Metrics;
 use cni_agent::repair::inplace::InPlaceRepair;
 use cni_agent::repair::netns::PodNetnsFinder;
 use cni_agent::repair::{RepairConfig, RepairController};
-use cni_agent::testing::kube::KubeTestEnv;
 use dataplane::netns::Netns;
 use dataplane::test_support::TestNetns;
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
@@ -21,6 +20,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use testbed::kube::KubeTestEnv;
 
 const NS: &str = "apps";
 const NODE: &str = "node-a";

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use cni_agent::testing::node::{Backend, TestNode};
-use cni_agent::testing::zds_peer::{AddReply, PeerConfig, ZdsPeer};
+use testbed::node::{Backend, TestNode};
+use testbed::zds_peer::{AddReply, PeerConfig, ZdsPeer};
 
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
 
@@ -208,9 +208,7 @@ fn fast_peer_config(node: &TestNode) -> PeerConfig {
 /// A [`fast_peer`] that also opens the in-pod listeners, so traffic can go through it.
 fn proxying_peer(node: &TestNode) -> ZdsPeer {
     let mut cfg = fast_peer_config(node);
-    cfg.proxies = Some(std::sync::Arc::new(
-        cni_agent::testing::zds_peer::PodProxies,
-    ));
+    cfg.proxies = Some(std::sync::Arc::new(testbed::zds_peer::PodProxies));
     ZdsPeer::start(cfg)
 }
 
@@ -411,12 +409,10 @@ async fn a_failing_agent_leaves_the_plugin_chained() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn app_traffic_goes_through_the_ztunnel_listeners() {
     dataplane::require_root!();
-    use cni_agent::testing::node::{app_request, serve_hello};
+    use testbed::node::{app_request, serve_hello};
     let node = TestNode::start(Backend::Nftables).await;
     let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
-    cfg.proxies = Some(std::sync::Arc::new(
-        cni_agent::testing::zds_peer::PodProxies,
-    ));
+    cfg.proxies = Some(std::sync::Arc::new(testbed::zds_peer::PodProxies));
     let peer = ZdsPeer::start(cfg);
     node.create_namespace("mesh", &[AMBIENT]).await;
     let (client, r) = node.create_pod("mesh", "client", &[]).await;
@@ -570,7 +566,7 @@ fn rules_of_both_backends(netns: &dataplane::test_support::TestNetns) -> String 
     )
 }
 
-fn assert_pod_clean(pod: &cni_agent::testing::node::TestPod) {
+fn assert_pod_clean(pod: &testbed::node::TestPod) {
     let rules = rules_of_both_backends(&pod.netns);
     assert!(
         !rules.contains("ISTIO") && !rules.contains("istio"),
@@ -580,7 +576,7 @@ fn assert_pod_clean(pod: &cni_agent::testing::node::TestPod) {
 }
 
 /// Only nftables (`nft`) or only iptables (`ipt`) redirects the pod.
-fn assert_pod_redirected_by(pod: &cni_agent::testing::node::TestPod, backend: Backend) {
+fn assert_pod_redirected_by(pod: &testbed::node::TestPod, backend: Backend) {
     let (ipt, nft) = (
         iptables_rules(&pod.netns),
         pod.netns.exec("nft", &["list", "ruleset"]),
@@ -623,17 +619,16 @@ fn assert_host_is(node: &TestNode, backend: Backend) {
 /// listeners each count one more connection.
 async fn request_through_peer(
     peer: &ZdsPeer,
-    client: &cni_agent::testing::node::TestPod,
-    server: &cni_agent::testing::node::TestPod,
+    client: &testbed::node::TestPod,
+    server: &testbed::node::TestPod,
 ) {
     let before = peer.status();
     let (c0, s0) = (
         before.workloads[&client.uid].connections,
         before.workloads[&server.uid].connections,
     );
-    let answer =
-        tokio::task::block_in_place(|| cni_agent::testing::node::app_request(client, server, 8080))
-            .unwrap_or_else(|e| panic!("{} → {}: {e}", client.name, server.name));
+    let answer = tokio::task::block_in_place(|| testbed::node::app_request(client, server, 8080))
+        .unwrap_or_else(|e| panic!("{} → {}: {e}", client.name, server.name));
     assert_eq!(answer, format!("hello from {}\n", server.name));
     let after = peer.status();
     assert_eq!(
@@ -655,7 +650,7 @@ async fn request_through_peer(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_switch_on_a_live_node_strands_nothing() {
     dataplane::require_root!();
-    use cni_agent::testing::node::serve_hello;
+    use testbed::node::serve_hello;
     let mut node = TestNode::start(Backend::Iptables).await;
     node.extra_env.push((
         "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP".into(),
@@ -716,7 +711,7 @@ async fn backend_switch_on_a_live_node_strands_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn iptables_variant_switch_on_a_live_node_strands_nothing() {
     dataplane::require_root!();
-    use cni_agent::testing::node::serve_hello;
+    use testbed::node::serve_hello;
     let in_variant = |ns: &dataplane::test_support::TestNetns, variant: &str| {
         format!(
             "{}{}",

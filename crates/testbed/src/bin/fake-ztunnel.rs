@@ -15,7 +15,7 @@ use std::time::Duration;
 use clap::Parser;
 use std::sync::Arc;
 
-use cni_agent::testing::zds_peer::{AddReply, PeerConfig, PeerControl, PodProxies, ZdsPeer};
+use testbed::zds_peer::{AddReply, PeerConfig, PeerControl, PodProxies, ZdsPeer};
 
 #[derive(Parser)]
 #[command(about = "ztunnel-like ZDS client for tests")]

@@ -8,8 +8,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use cni_agent::testing::churn::{ChurnConfig, emulated, real};
-use cni_agent::testing::node::Backend;
+use testbed::churn::{ChurnConfig, emulated, real};
+use testbed::node::Backend;
 
 #[derive(Parser)]
 #[command(about = "pod churn with fault injection on the emulated node or a real node")]
@@ -40,7 +40,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,cni_agent::testing::churn=info".into()),
+                .unwrap_or_else(|_| "warn,testbed::churn=info".into()),
         )
         .with_writer(std::io::stderr)
         .init();

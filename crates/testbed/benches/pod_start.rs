@@ -6,19 +6,19 @@
 //! pod's redirection and ZDS hand-off happen inside its sandbox's CNI ADD, before that).
 //! With `ZTUNNEL_BIN` (a ztunnel built with its `testing` feature) the peer is the real ztunnel
 //! (`deploy/node/ztunnel.yaml`). Needs root; the node binaries and images are built on first use.
-//! Run: `cargo bench -p cni-agent --bench pod_start`. Prints one markdown table for BENCHMARKS.md.
+//! Run: `cargo bench -p testbed --bench pod_start`. Prints one markdown table for BENCHMARKS.md.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cni_agent::testing::real_node::{PEER, RealNode, ZTUNNEL, busybox_pod};
 use futures::StreamExt;
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
 use serde_json::json;
+use testbed::real_node::{PEER, RealNode, ZTUNNEL, busybox_pod};
 
 const PODS: usize = 50;
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");

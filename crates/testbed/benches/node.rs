@@ -3,15 +3,15 @@
 //! it), alone and 100 at once, with the whole runtime-side chain and non-mesh pods as baselines —
 //! agent memory idle and with 250 enrolled pods, and agent restart → every pod handed to ztunnel
 //! again. Uses the e2e kit against a real kube-apiserver; binaries must be built in release
-//! first: `cargo build --release --workspace --bins --features cni-agent/testing`.
-//! Run: `cargo bench -p cni-agent --bench node`. Prints one markdown table for BENCHMARKS.md.
+//! first: `cargo build --release --workspace --bins`.
+//! Run: `cargo bench -p testbed --bench node`. Prints one markdown table for BENCHMARKS.md.
 
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 
-use cni_agent::testing::node::{Backend, TestNode, TestPod, plugin_binary};
-use cni_agent::testing::zds_peer::{PeerConfig, ZdsPeer};
+use testbed::node::{Backend, TestNode, TestPod, plugin_binary};
+use testbed::zds_peer::{PeerConfig, ZdsPeer};
 
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
 

@@ -27,7 +27,7 @@ pub fn binary_dir() -> PathBuf {
     for bin in ["istio-cni", "install-cni"] {
         assert!(
             dir.join(bin).is_file(),
-            "{} is missing: build the binaries first (cargo build --workspace --bins --features cni-agent/testing)",
+            "{} is missing: build the binaries first (cargo build --workspace --bins)",
             dir.join(bin).display()
         );
     }
@@ -156,7 +156,7 @@ fn forward_loopback(node: &TestNetns, port: u16) -> std::net::TcpListener {
             let Ok(up) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
                 continue;
             };
-            let _ = crate::testing::relay::relay(down, up);
+            let _ = crate::relay::relay(down, up);
         }
     });
     listener
@@ -506,7 +506,7 @@ impl TestNode {
         use k8s_openapi::api::apps::v1::DaemonSet;
         self.create_namespace("istio-system", &[]).await;
         let ds: DaemonSet = serde_json::from_value(json!({
-            "metadata": {"name": crate::ambient::upgrade::DAEMONSET},
+            "metadata": {"name": cni_agent::ambient::upgrade::DAEMONSET},
             "spec": {"selector": {"matchLabels": {"k8s-app": "istio-cni-node"}},
                      "template": {"metadata": {"labels": {"k8s-app": "istio-cni-node"}},
                                   "spec": {"containers": [{"name": "install-cni", "image": "install-cni"}]}}}

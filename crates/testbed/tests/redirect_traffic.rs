@@ -7,7 +7,6 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cni_agent::testing::pod_proxy::{DNS_REPLY_PREFIX, HBONE_REPLY, PodProxy, connect_marked};
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::consts::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use dataplane::inpod::{InpodRules, RuleState};
@@ -16,6 +15,7 @@ use dataplane::test_support::TestNetns;
 use dataplane::{BackendOptions, backend, pod};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, socket};
 use std::os::fd::AsRawFd;
+use testbed::pod_proxy::{DNS_REPLY_PREFIX, HBONE_REPLY, PodProxy, connect_marked};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 

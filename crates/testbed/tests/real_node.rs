@@ -14,13 +14,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cni_agent::testing::real_node::{
-    AMBIENT, CHART, CONFLIST, NODE_NAME, REDIRECTION, RealNode, VALUES, WITNESS, ZTUNNEL,
-    annotation, busybox_pod, running, witness_pod as pod,
-};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
+use testbed::real_node::{
+    AMBIENT, CHART, CONFLIST, NODE_NAME, REDIRECTION, RealNode, VALUES, WITNESS, ZTUNNEL,
+    annotation, busybox_pod, running, witness_pod as pod,
+};
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
 static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -715,7 +715,7 @@ async fn failed_component_start_names_it_and_tears_down_the_rest() {
 /// `CHURN_SEED` replays a schedule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_short_on_the_real_node() {
-    use cni_agent::testing::churn::{self, ChurnConfig, real};
+    use testbed::churn::{self, ChurnConfig, real};
     dataplane::require_root!();
     let _one = ONE_NODE.lock().await;
     let seed = std::env::var("CHURN_SEED")

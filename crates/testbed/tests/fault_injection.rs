@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use cni_agent::testing::api_proxy::ApiProxy;
-use cni_agent::testing::kube::KubeTestEnv;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, PostParams};
+use testbed::api_proxy::ApiProxy;
+use testbed::kube::KubeTestEnv;
 
 async fn client_via(env: &KubeTestEnv, port: u16) -> kube::Client {
     let dir = tempfile::tempdir().unwrap();

@@ -26,7 +26,7 @@ use nix::sys::socket::{
     connect, getsockopt, listen, setsockopt, socket, sockopt,
 };
 
-use crate::testing::relay::relay;
+use crate::relay::relay;
 
 /// What the DNS listeners answer: the query with this prefix.
 pub const DNS_REPLY_PREFIX: &[u8] = b"proxy-dns:";

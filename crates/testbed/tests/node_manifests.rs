@@ -3,10 +3,10 @@
 //! with the nftables backend on the host network, share the ZDS socket dir between agent and
 //! peer, and pass the API server's server-side dry-run.
 
-use cni_agent::testing::kube::KubeTestEnv;
-use cni_agent::testing::manifests::{self, NAMESPACE};
 use kube::api::DynamicObject;
 use serde_json::Value;
+use testbed::kube::KubeTestEnv;
+use testbed::manifests::{self, NAMESPACE};
 
 const VALUES: &str = "deploy/node/values-real-node.yaml";
 const PEER: &str = "deploy/node/ztunnel-peer.yaml";

@@ -4,8 +4,8 @@
 //! and the run dir is full, with zero invariant violations. Root only; `CHURN_SEED` replays a run.
 //! Own main (harness = false): the private mount namespace must be made before any thread starts.
 
-use cni_agent::testing::churn::{ChurnConfig, emulated};
-use cni_agent::testing::node::Backend;
+use testbed::churn::{ChurnConfig, emulated};
+use testbed::node::Backend;
 
 fn main() {
     if !dataplane::test_support::can_run_privileged() {

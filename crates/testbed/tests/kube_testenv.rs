@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use cni_agent::testing::kube::KubeTestEnv;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
+use testbed::kube::KubeTestEnv;
 
 fn pod(name: &str, node: &str) -> Pod {
     serde_json::from_value(serde_json::json!({

@@ -7,9 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cni_agent::netns_cache::NetnsCache;
-use cni_agent::testing::zds_peer::{
-    AddReply, PeerConfig, PeerStatus, PodProxies, WorkloadState, ZdsPeer,
-};
 use cni_agent::zds::packet;
 use cni_agent::zds::{ZdsConfig, ZdsError, ZdsHandle, ZdsServer};
 use cni_core::zds::{
@@ -18,6 +15,7 @@ use cni_core::zds::{
 };
 use dataplane::netns::Netns;
 use dataplane::test_support::TestNetns;
+use testbed::zds_peer::{AddReply, PeerConfig, PeerStatus, PodProxies, WorkloadState, ZdsPeer};
 use tokio::sync::oneshot;
 use tokio_seqpacket::{UnixSeqpacket, UnixSeqpacketListener};
 

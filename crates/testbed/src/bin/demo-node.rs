@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use cni_agent::testing::node::{Backend, TestNode, TestPod, app_request, serve_hello};
-use cni_agent::testing::zds_peer::{PeerConfig, PodProxies, ZdsPeer};
+use testbed::node::{Backend, TestNode, TestPod, app_request, serve_hello};
+use testbed::zds_peer::{PeerConfig, PodProxies, ZdsPeer};
 
 #[derive(Parser)]
 #[command(about = "Run a demo ambient node on this machine (root), then clean up")]
@@ -136,7 +136,7 @@ async fn run(args: Args) {
         step("relabelling namespace demo so you can explore an enrolled node");
         node.label_namespace("demo", AMBIENT.0, Some(AMBIENT.1))
             .await;
-        let bin = cni_agent::testing::node::binary_dir();
+        let bin = testbed::node::binary_dir();
         println!("\nThe node keeps running until Ctrl-C. Try:");
         println!(
             "  CNI_AGENT_RUN_DIR={} {}/install-cni explain demo/app-1",

@@ -23,8 +23,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_seqpacket::UnixSeqpacket;
 
-use crate::testing::pod_proxy::PodProxy;
-use crate::zds::packet;
+use crate::pod_proxy::PodProxy;
+use cni_agent::zds::packet;
 
 /// Starts the in-pod listeners for a workload (the pod proxy, when it is wired in).
 pub trait ProxyFactory: Send + Sync {

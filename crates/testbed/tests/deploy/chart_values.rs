@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::fake_cluster::FakeCluster;
 use super::{render, try_render};
-use cni_agent::testing::manifests;
+use testbed::manifests;
 
 /// One render of the chart, with lookups into the objects the agent's behaviour depends on.
 struct Rendered(Vec<DynamicObject>);

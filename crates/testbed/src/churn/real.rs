@@ -25,10 +25,8 @@ use super::conflist::{ConflistReader, ISTIO_CNI, Rewriter, damage, without_ours}
 use super::{
     AddOutcome, AgentSample, ChurnNode, FaultKind, Rng, netns_ino, process_fds, process_memory_kib,
 };
-use crate::testing::node::binary_dir;
-use crate::testing::real_node::{
-    CONFLIST, REDIRECTION, RealNode, annotation, running, witness_pod,
-};
+use crate::node::binary_dir;
+use crate::real_node::{CONFLIST, REDIRECTION, RealNode, annotation, running, witness_pod};
 
 const NAMESPACE: &str = "churn";
 /// The `name` of the node's bridge conflist (`scripts/real-node`).
@@ -585,7 +583,7 @@ impl RealChurnNode {
     /// The peer's status is its live process's: written within the last 3 s (it publishes
     /// every second; a killed peer's file stays behind).
     fn peer_live(&self) -> Option<serde_json::Value> {
-        let path = self.node.node_path(crate::testing::real_node::PEER_STATUS);
+        let path = self.node.node_path(crate::real_node::PEER_STATUS);
         let age = SystemTime::now()
             .duration_since(std::fs::metadata(&path).ok()?.modified().ok()?)
             .unwrap_or_default();

@@ -7,17 +7,17 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use cni_agent::testing::kube::KubeTestEnv;
-use cni_agent::testing::manifests::{
-    self, NAMESPACE, SERVICE_ACCOUNT, render_chart as render, try_render_chart as try_render,
-};
-use cni_agent::testing::node::{Backend, Identity, TestNode};
-use cni_agent::testing::zds_peer::{PeerConfig, ZdsPeer};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams, WatchParams};
 use serde_json::{Value, json};
+use testbed::kube::KubeTestEnv;
+use testbed::manifests::{
+    self, NAMESPACE, SERVICE_ACCOUNT, render_chart as render, try_render_chart as try_render,
+};
+use testbed::node::{Backend, Identity, TestNode};
+use testbed::zds_peer::{PeerConfig, ZdsPeer};
 
 #[path = "deploy/chart_values.rs"]
 mod chart_values;
@@ -589,7 +589,8 @@ fn container_env(
 fn the_agent_accepts_the_shipped_configuration_and_mounts() {
     use cni_agent::ambient::config::AmbientConfig;
     use cni_agent::cli::Cli;
-    use cni_agent::config::{InstallConfig, parse_from};
+    use cni_agent::config::parse_from;
+    use cni_agent::install::config::InstallConfig;
     use cni_agent::repair::RepairConfig;
 
     let objs = manifests::shipped("istio-cni-ambient.yaml");

@@ -14,10 +14,10 @@ use serde_json::Value;
 
 use super::conflist::{ConflistReader, ISTIO_CNI, Rewriter, damage, without_ours};
 use super::{AddOutcome, AgentSample, ChurnNode, FaultKind, Rng, netns_ino, process_fds};
-use crate::testing::api_proxy::ApiProxy;
-use crate::testing::kube::KubeTestEnv;
-use crate::testing::node::{Backend, NodeOptions, TestNode, TestPod, binary_dir};
-use crate::testing::zds_peer::{AddReply, PeerConfig, ZdsPeer};
+use crate::api_proxy::ApiProxy;
+use crate::kube::KubeTestEnv;
+use crate::node::{Backend, NodeOptions, TestNode, TestPod, binary_dir};
+use crate::zds_peer::{AddReply, PeerConfig, ZdsPeer};
 
 const NAMESPACE: &str = "churn";
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
@@ -206,7 +206,7 @@ impl EmulatedNode {
         let Some(w) = st.workloads.get(&pod.uid) else {
             return Err("unknown to the peer".into());
         };
-        if w.state != crate::testing::zds_peer::WorkloadState::Up {
+        if w.state != crate::zds_peer::WorkloadState::Up {
             return Err(format!("peer holds it {:?}", w.state));
         }
         if w.netns() != pod.netns.open().id() {
@@ -541,7 +541,7 @@ impl ChurnNode for EmulatedNode {
 /// The whole churn on a fresh emulated node, in a private mount namespace (so this must run
 /// before the process starts any thread).
 pub fn run_emulated(cfg: &super::ChurnConfig, backend: Backend) -> super::ChurnReport {
-    crate::testing::node::private_mount_namespace()
+    crate::node::private_mount_namespace()
         .expect("unshare(CLONE_NEWNS) needs root and a single thread");
     super::run_on(cfg, EmulatedNode::start(backend), EmulatedNode::agent_log)
 }

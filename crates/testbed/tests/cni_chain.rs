@@ -8,11 +8,11 @@ use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use cni_agent::testing::cni_runtime::{CniRuntime, CniRuntimeError, PluginRun, Sandbox};
-use cni_agent::testing::node::binary_dir;
 use cni_core::cmdadd::CmdAddRequest;
 use dataplane::test_support::TestNetns;
 use serde_json::{Value, json};
+use testbed::cni_runtime::{CniRuntime, CniRuntimeError, PluginRun, Sandbox};
+use testbed::node::binary_dir;
 
 const DEBIAN_CNI_PLUGINS: &str = "/usr/lib/cni";
 

@@ -2,16 +2,16 @@
 //! - Add round trip: `pod_added` with a netns fd until its ack, median and p99;
 //! - snapshot: 250 cached pods (250 fds) replayed to a freshly connected peer.
 //!
-//! Run: `cargo bench -p cni-agent --bench zds`
+//! Run: `cargo bench -p testbed --bench zds`
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cni_agent::netns_cache::NetnsCache;
-use cni_agent::testing::zds_peer::{PeerConfig, ZdsPeer};
 use cni_agent::zds::{ZdsConfig, ZdsServer};
 use cni_core::zds::WorkloadInfo;
 use dataplane::netns::Netns;
+use testbed::zds_peer::{PeerConfig, ZdsPeer};
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
