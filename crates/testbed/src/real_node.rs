@@ -203,7 +203,7 @@ impl RealNode {
         self.script(&all)
     }
 
-    /// helm inside the node, from the repository's root (so chart paths are relative to it).
+    /// helm inside the node (give it absolute chart paths: it runs in the test's working directory).
     pub fn helm(&self, args: &[&str]) -> String {
         let mut all = vec!["helm"];
         all.extend_from_slice(args);

@@ -747,3 +747,113 @@ async fn churn_short_on_the_real_node() {
         report.faults
     );
 }
+
+/// The commands of the README's first `bash` block under `heading`, continuation lines joined and
+/// trailing comments dropped.
+fn readme_commands(heading: &str) -> Vec<String> {
+    let readme = std::fs::read_to_string(repo_path("README.md")).unwrap();
+    let section = &readme[readme
+        .find(&format!("\n{heading}\n"))
+        .unwrap_or_else(|| panic!("README has no {heading:?} section"))..];
+    let block = section
+        .split("```bash\n")
+        .nth(1)
+        .and_then(|b| b.split("\n```").next())
+        .unwrap_or_else(|| panic!("README's {heading:?} has no bash block"));
+    let mut commands = Vec::new();
+    let mut current = String::new();
+    for line in block.lines() {
+        // A comment starts after two or more spaces (`#` inside a command is not one).
+        let line = line.split("  #").next().unwrap().trim_end();
+        match line.strip_suffix('\\') {
+            Some(part) => current.push_str(part),
+            None => {
+                current.push_str(line);
+                let cmd = current.split_whitespace().collect::<Vec<_>>().join(" ");
+                commands.push(cmd);
+                current.clear();
+            }
+        }
+    }
+    commands.retain(|c| !c.is_empty());
+    commands
+}
+
+/// The README's "Real node" block as a user types it, from the repository's root, command by
+/// command, on this suite's node: each succeeds and shows what its comment promises.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_real_node_block_works_as_written() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let node = RealNode::up().await;
+    let run = |cmd: &str, stdin: &str| {
+        use std::io::Write;
+        let mut child = std::process::Command::new("bash")
+            .args(["-c", cmd])
+            .current_dir(repo_path(""))
+            .env("REAL_NODE_DIR", node.dir())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(stdin.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "README command `{cmd}` failed ({}):\n{stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    let commands = readme_commands("## Real node");
+    let mut ran = 0;
+    for cmd in &commands {
+        // The kit brought this node up with exactly these two commands (its own image dir).
+        if cmd.starts_with("scripts/node-images build") || cmd.starts_with("scripts/real-node up")
+        {
+            continue;
+        }
+        if let Some(alternatives) = cmd.strip_prefix("scripts/real-node restart ") {
+            for component in alternatives.split('|') {
+                run(&format!("scripts/real-node restart {component}"), "");
+            }
+            ran += 1;
+            continue;
+        }
+        let stdin = if cmd == "scripts/real-node shell" {
+            "kubectl get node real-node -o name\n"
+        } else {
+            ""
+        };
+        let out = run(cmd, stdin);
+        ran += 1;
+        if cmd.contains("get pod app -o jsonpath='{.metadata.annotations}'") {
+            assert!(
+                out.contains(r#""ambient.istio.io/redirection":"enabled""#),
+                "{out}"
+            );
+        } else if cmd.ends_with("cat /etc/cni/net.d/10-bridge.conflist") {
+            assert!(out.contains(r#""type": "istio-cni""#), "{out}");
+        } else if cmd.ends_with("cat /var/run/ztunnel-peer/status.json") {
+            let uid = get(&node, "mesh", "app").await.unwrap().metadata.uid.unwrap();
+            let status: Value = serde_json::from_str(&out).unwrap();
+            assert!(status["workloads"].get(&uid).is_some(), "{out}");
+        } else if cmd == "scripts/real-node shell" {
+            assert!(out.contains("node/real-node"), "{out}");
+        } else if cmd == "scripts/real-node stop" {
+            let inside = node.try_script(&["exec", "true"]);
+            assert!(!inside.status.success(), "the node still runs after stop");
+        } else if cmd == "scripts/real-node down" {
+            assert!(!node.dir().exists(), "down keeps {}", node.dir().display());
+        }
+    }
+    assert!(ran >= 12, "the README block shrank to {ran} commands: {commands:#?}");
+}

@@ -3,7 +3,7 @@
 //! A real kube-apiserver and etcd, the real `install-cni` agent (installer + ambient agent), Debian's
 //! bridge CNI chained with our `istio-cni` by the installer, pods as network namespaces created
 //! through that chain, and a ztunnel-like peer that proxies every enrolled pod's traffic. Test
-//! tooling (feature `testing`), run by `scripts/demo`; never shipped.
+//! tooling (crate `testbed`), run by `scripts/demo`; never shipped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
