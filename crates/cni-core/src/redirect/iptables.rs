@@ -145,13 +145,15 @@ pub fn inpod_rules(cfg: &InpodConfig, family: Family) -> Vec<Rule> {
             format!("-i {iface} -p tcp -j RETURN"),
         ));
     }
+    // Packets ztunnel injects carry its mark; remember it on the connection so replies find it.
+    // Ingress mode needs it too: inbound HBONE still reaches the pod through ztunnel, and without
+    // the connmark the app's replies leave the pod instead of returning to ztunnel (Istio 1.29).
+    r.push(Rule::append(
+        "mangle",
+        pre,
+        format!("-m mark --mark {ztunnel} -j CONNMARK --set-xmark {tproxy}"),
+    ));
     if !cfg.ingress_mode {
-        // Packets ztunnel injects carry its mark; remember it on the connection so replies find it.
-        r.push(Rule::append(
-            "mangle",
-            pre,
-            format!("-m mark --mark {ztunnel} -j CONNMARK --set-xmark {tproxy}"),
-        ));
         // Kubelet probes arrive SNATed to the probe address and go straight to the app.
         r.push(Rule::append(
             "nat",
