@@ -318,9 +318,14 @@ pub enum KubeletUidError {
 }
 
 /// Whether a process is kubelet: `kubelet`, or MicroK8s' `kubelite`, whose command line must
-/// name kubelet; or `k3s`, which embeds kubelet in its single binary.
+/// name kubelet in any letter case (Istio lowercases each argument before looking, so
+/// `/opt/Kubelet/bin/kubelite` counts); or `k3s`, which embeds kubelet in its single binary.
 pub fn is_kubelet(comm: &str, cmdline: &[u8]) -> bool {
-    let names_kubelet = || cmdline.windows(7).any(|w| w == b"kubelet");
+    let names_kubelet = || {
+        cmdline
+            .split(|b| *b == 0)
+            .any(|arg| String::from_utf8_lossy(arg).to_lowercase().contains("kubelet"))
+    };
     match comm.trim_end() {
         "kubelet" | "kubelite" => names_kubelet(),
         "k3s" => true,
@@ -428,6 +433,21 @@ mod tests {
             8,
         );
         assert_eq!(kubelet_uid(root.path()).unwrap(), 8);
+    }
+
+    #[test]
+    fn kubelet_on_the_command_line_is_matched_in_any_case() {
+        let root = tempfile::tempdir().unwrap();
+        proc_entry(
+            root.path(),
+            20,
+            "kubelite",
+            &["/opt/KUBELET/kubelite", "--Kubelet-Args-File=/x"],
+            9,
+        );
+        assert_eq!(kubelet_uid(root.path()).unwrap(), 9);
+        assert!(is_kubelet("kubelet", b"/usr/bin/KubeLet\0--v=2\0"));
+        assert!(!is_kubelet("kubelet", b"/usr/bin/kube\0let\0"));
     }
 
     #[test]
