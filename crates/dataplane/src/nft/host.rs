@@ -27,7 +27,9 @@ const UDATA_SET_ELEM_COMMENT: u8 = 0;
 const ENOENT: i32 = 2;
 
 /// Programs the host table: the probe set(s), kept with their elements when they already exist,
-/// and the postrouting chain with exactly the desired rules. Safe to repeat.
+/// then every rule of the table replaced by the desired ones: the steps
+/// [`Table::render`](cni_core::redirect::nft::Table::render) writes (Istio's set and rule
+/// transactions), in one batch. Safe to repeat.
 pub fn apply_host_rules(netns: &Netns, cfg: &HostProbeConfig) -> Result<(), NftError> {
     let ruleset = host_ruleset(cfg);
     let mut batch = Batch::default();
@@ -36,13 +38,8 @@ pub fn apply_host_rules(netns: &Netns, cfg: &HostProbeConfig) -> Result<(), NftE
         for (i, set) in table.sets.iter().enumerate() {
             batch.add_set(&table.name, set, i as u32 + 1);
         }
-        for chain in &table.chains {
-            batch.add_chain(&table.name, chain);
-            batch.flush_chain(&table.name, &chain.name);
-        }
-        for rule in &table.rules {
-            batch.add_rule(&table.name, rule);
-        }
+        batch.flush_table(&table.name);
+        batch.add_contents(table);
     }
     with_socket(netns, move |sock| batch.commit(sock))
 }
