@@ -3,6 +3,7 @@
 //!
 //! The restore text is byte-identical to Istio's (table order, `-N` order, rule order and
 //! spelling), so a node can move between Istio's agent and ours without the rules looking drifted.
+//! `tests/istio_conformance_ambient.rs` checks it against the pinned Istio's goldens.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
