@@ -266,8 +266,8 @@ fn ambient_rules_match_istio_goldens() {
                 ));
                 continue;
             };
-            let golden = std::fs::read_to_string(path)
-                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let golden =
+                std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             match compared_lines(backend, &setup, &golden) {
                 Ok((istio, ours)) => {
                     compared += 1;
@@ -296,7 +296,10 @@ fn ambient_rules_match_istio_goldens() {
         2 * istio_pin::expected_goldens().len(),
         "every expected golden of both backends compared"
     );
-    eprintln!("{compared} Istio goldens compared, {} allowlisted differences", found.len());
+    eprintln!(
+        "{compared} Istio goldens compared, {} allowlisted differences",
+        found.len()
+    );
 }
 
 #[test]
@@ -351,7 +354,10 @@ fn allowlist_takes_listed_differences_and_fails_unlisted_and_stale_ones() {
         ["iptables/default.golden: istio only: y"]
     );
     // The same difference in another golden is not covered.
-    assert_eq!(judge(&[d("nftables/default.golden", "ours only: x")], &allowed).len(), 2);
+    assert_eq!(
+        judge(&[d("nftables/default.golden", "ours only: x")], &allowed).len(),
+        2
+    );
     // Fixed since: the entry is stale.
     let stale = judge(&[], &allowed);
     assert_eq!(stale.len(), 1);
@@ -386,7 +392,9 @@ fn allowlist_reads_only_its_own_key() {
 #[test]
 fn nft_spelling_changes_only_spelling() {
     assert_eq!(
-        nft_spelling("meta mark & 0xfff == 0x539 counter ct mark set ct mark & 0xfffff000 |  0x111"),
+        nft_spelling(
+            "meta mark & 0xfff == 0x539 counter ct mark set ct mark & 0xfffff000 |  0x111"
+        ),
         "mark and 0xfff == 0x539 counter ct mark set ct mark & 0xfffff000 | 0x111"
     );
     assert_eq!(

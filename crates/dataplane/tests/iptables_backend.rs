@@ -17,7 +17,6 @@ fn detect_in(host: &TestNetns, force: Option<&str>) -> Detection {
         .unwrap_or_else(|e| panic!("detect in {}: {e}", host.name))
 }
 
-
 /// `ip(6)tables-<variant> <args>` inside `ns`.
 fn ipt(ns: &TestNetns, variant: &str, v6: bool, args: &[&str]) {
     let tool = format!("{}tables-{variant}", if v6 { "ip6" } else { "ip" });

@@ -131,7 +131,10 @@ fn take_over_pod(case: &str, golden: &str, cfg: &InpodConfig, variant: &str, b: 
 
     // Reconcile, as the agent enrolls: the other backends' leftovers first, then ours, twice.
     for _ in 0..2 {
-        assert!(!leftovers::clear_nft_pod(&netns).unwrap(), "{case} ({variant})");
+        assert!(
+            !leftovers::clear_nft_pod(&netns).unwrap(),
+            "{case} ({variant})"
+        );
         assert!(!other.clear_pod(&netns).unwrap(), "{case} ({variant})");
         pod::enroll(&netns, cfg, b).unwrap();
     }
@@ -169,8 +172,14 @@ fn take_over_host(case: &str, golden: &str, cfg: &InpodConfig, variant: &str, b:
     );
     // Startup, as the agent sets up the host: the other backends' state, then ours.
     let other = IptablesLeftovers::other_than(variant_of(variant));
-    assert!(!leftovers::clear_nft_host(&hostns).unwrap(), "{case} ({variant})");
-    assert!(!other.clear_host_chains(&hostns).unwrap(), "{case} ({variant})");
+    assert!(
+        !leftovers::clear_nft_host(&hostns).unwrap(),
+        "{case} ({variant})"
+    );
+    assert!(
+        !other.clear_host_chains(&hostns).unwrap(),
+        "{case} ({variant})"
+    );
     host::apply_rules(&hostns, b, cfg).unwrap();
     assert_eq!(
         snapshot(&ns),

@@ -71,9 +71,12 @@ pub enum Setup {
     },
 }
 
-/// Istio's in-pod test cases: name, global DNS capture (`RedirectDNS`, false unless the case
-/// sets it) and the pod overrides, written as the annotations that produce them.
-const INPOD_CASES: [(&str, bool, &[(&str, &str)]); 6] = [
+/// One of Istio's in-pod test cases: name, global DNS capture (`RedirectDNS`, false unless the
+/// case sets it) and the pod overrides, written as the annotations that produce them.
+type InpodCase = (&'static str, bool, &'static [(&'static str, &'static str)]);
+
+/// Istio's in-pod test cases.
+const INPOD_CASES: [InpodCase; 6] = [
     ("default", true, &[]),
     ("ingress", false, &[(BYPASS_INBOUND_CAPTURE, "true")]),
     (
@@ -239,7 +242,11 @@ pub fn iptables_golden_families(text: &str) -> Result<Vec<String>, String> {
     for want in IPTABLES_GOLDEN_HEADER {
         match lines.next() {
             Some(l) if l == want => {}
-            other => return Err(format!("expected the recorded command {want:?}, got {other:?}")),
+            other => {
+                return Err(format!(
+                    "expected the recorded command {want:?}, got {other:?}"
+                ));
+            }
         }
     }
     let mut families: Vec<String> = Vec::new();

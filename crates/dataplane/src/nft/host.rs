@@ -319,9 +319,11 @@ pub enum KubeletUidError {
 /// `/opt/Kubelet/bin/kubelite` counts); or `k3s`, which embeds kubelet in its single binary.
 pub fn is_kubelet(comm: &str, cmdline: &[u8]) -> bool {
     let names_kubelet = || {
-        cmdline
-            .split(|b| *b == 0)
-            .any(|arg| String::from_utf8_lossy(arg).to_lowercase().contains("kubelet"))
+        cmdline.split(|b| *b == 0).any(|arg| {
+            String::from_utf8_lossy(arg)
+                .to_lowercase()
+                .contains("kubelet")
+        })
     };
     match comm.trim_end() {
         "kubelet" | "kubelite" => names_kubelet(),
