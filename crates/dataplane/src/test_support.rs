@@ -63,6 +63,48 @@ impl TestNetns {
         all.extend_from_slice(args);
         run("ip", &all)
     }
+
+    /// [`TestNetns::exec`] with `stdin` written to the command (`iptables-restore` input).
+    pub fn exec_stdin(&self, program: &str, args: &[&str], stdin: &str) -> String {
+        use std::io::Write as _;
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.name, program])
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+        let mut pipe = child.stdin.take().expect("stdin piped");
+        pipe.write_all(stdin.as_bytes())
+            .unwrap_or_else(|e| panic!("{program}: cannot write stdin: {e}"));
+        drop(pipe);
+        let out = child.wait_with_output().expect("wait");
+        assert!(
+            out.status.success(),
+            "{program} {args:?} in {} failed: {}\ninput:\n{stdin}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+/// The iptables backend of each variant (`nft`, then `legacy`), forced and detected in a
+/// throwaway namespace standing in for the host's, so no test reads or writes this machine's
+/// own tables.
+pub fn iptables_backends() -> Vec<(&'static str, crate::iptables::IptablesBackend)> {
+    let host = TestNetns::new("ipt-host");
+    ["nft", "legacy"]
+        .into_iter()
+        .map(|v| {
+            let b = host
+                .open()
+                .run(|| crate::iptables::IptablesBackend::detect(Some(v), true))
+                .expect("enter the host stand-in");
+            (v, b.unwrap_or_else(|e| panic!("detect {v}: {e}")))
+        })
+        .collect()
 }
 
 impl Drop for TestNetns {

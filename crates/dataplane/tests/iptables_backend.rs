@@ -6,7 +6,7 @@ use cni_core::redirect::{InpodConfig, InterfaceName};
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;
 use dataplane::iptables::detect::{Detection, Reason, Variant, detect};
-use dataplane::test_support::TestNetns;
+use dataplane::test_support::{TestNetns, iptables_backends};
 
 /// Detection as the agent runs it, in a namespace standing in for the host's (never this
 /// process's own, whose tables other tests and the machine share).
@@ -15,17 +15,6 @@ fn detect_in(host: &TestNetns, force: Option<&str>) -> Detection {
         .run(|| detect(force, true))
         .unwrap()
         .unwrap_or_else(|e| panic!("detect in {}: {e}", host.name))
-}
-
-fn backends() -> Vec<(&'static str, IptablesBackend)> {
-    let host = TestNetns::new("ipt-host");
-    ["nft", "legacy"]
-        .into_iter()
-        .map(|v| {
-            let b = host.open().run(|| IptablesBackend::detect(Some(v), true));
-            (v, b.unwrap().expect("detect"))
-        })
-        .collect()
 }
 
 /// `ip(6)tables-<variant> <args>` inside `ns`.
@@ -198,7 +187,7 @@ fn istio_lines(text: &str) -> Vec<&str> {
 #[test]
 fn apply_verify_idempotent_and_remove() {
     dataplane::require_root!();
-    for (variant, b) in backends() {
+    for (variant, b) in iptables_backends() {
         let ns = TestNetns::new("ipt-apply");
         let netns = ns.open();
         let cfg = InpodConfig {
@@ -253,7 +242,7 @@ fn apply_verify_idempotent_and_remove() {
 #[test]
 fn drift_is_reported_and_replaced_without_touching_foreign_rules() {
     dataplane::require_root!();
-    for (variant, b) in backends() {
+    for (variant, b) in iptables_backends() {
         let ns = TestNetns::new("ipt-drift");
         let netns = ns.open();
         let cfg = InpodConfig::default();
@@ -340,7 +329,7 @@ fn drift_is_reported_and_replaced_without_touching_foreign_rules() {
 #[test]
 fn config_change_converges_to_the_new_rule_set() {
     dataplane::require_root!();
-    for (variant, b) in backends() {
+    for (variant, b) in iptables_backends() {
         let ns = TestNetns::new("ipt-change");
         let netns = ns.open();
         let on = InpodConfig {
@@ -544,7 +533,7 @@ fn reapplying_under_concurrent_iptables_writers_stays_exact() {
         redirect_dns: false,
         ..Default::default()
     };
-    for (variant, b) in backends() {
+    for (variant, b) in iptables_backends() {
         // Golden: each rule set as it reads in a namespace nobody else writes to.
         let quiet = TestNetns::new("ipt-quiet");
         let golden = |cfg: &InpodConfig| {

@@ -3,6 +3,7 @@
 //!
 //! The restore text is byte-identical to Istio's (table order, `-N` order, rule order and
 //! spelling), so a node can move between Istio's agent and ours without the rules looking drifted.
+//! `tests/istio_conformance_ambient.rs` checks it against the pinned Istio's goldens.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -145,13 +146,15 @@ pub fn inpod_rules(cfg: &InpodConfig, family: Family) -> Vec<Rule> {
             format!("-i {iface} -p tcp -j RETURN"),
         ));
     }
+    // Packets ztunnel injects carry its mark; remember it on the connection so replies find it.
+    // Ingress mode needs it too: inbound HBONE still reaches the pod through ztunnel, and without
+    // the connmark the app's replies leave the pod instead of returning to ztunnel (Istio 1.29).
+    r.push(Rule::append(
+        "mangle",
+        pre,
+        format!("-m mark --mark {ztunnel} -j CONNMARK --set-xmark {tproxy}"),
+    ));
     if !cfg.ingress_mode {
-        // Packets ztunnel injects carry its mark; remember it on the connection so replies find it.
-        r.push(Rule::append(
-            "mangle",
-            pre,
-            format!("-m mark --mark {ztunnel} -j CONNMARK --set-xmark {tproxy}"),
-        ));
         // Kubelet probes arrive SNATed to the probe address and go straight to the app.
         r.push(Rule::append(
             "nat",

@@ -64,7 +64,7 @@ pub struct Ruleset {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Table {
     pub name: String,
-    /// Sets survive a re-apply (their elements are managed one by one); only chains are flushed.
+    /// Sets survive a re-apply (their elements are managed one by one); only rules are flushed.
     /// Without sets the whole table is replaced.
     pub sets: Vec<Set>,
     pub chains: Vec<Chain>,
@@ -544,27 +544,26 @@ impl Table {
         self.rules.iter().filter(move |r| r.chain == chain)
     }
 
-    /// The table as the `nft -f` transaction that creates it from any prior state.
+    /// The table as the `nft -f` transaction that creates it from any prior state. A table with
+    /// sets (the host's) is written as Istio's two transactions, sent as one batch: the sets are
+    /// created (an existing set keeps its elements), then the table's rules are replaced as for
+    /// any table (`flush table` deletes rules, never sets or their elements).
     pub fn render(&self) -> String {
         let mut out = String::new();
         let mut line = |l: String| {
             out.push_str(&l);
             out.push('\n');
         };
+        if !self.sets.is_empty() {
+            line(self.add_table_line());
+            for set in &self.sets {
+                line(self.set_line(set));
+            }
+        }
         line(self.add_table_line());
-        if self.sets.is_empty() {
-            line(format!("flush table inet {}", self.name));
-        }
-        for set in &self.sets {
-            line(self.set_line(set));
-        }
+        line(format!("flush table inet {}", self.name));
         for chain in &self.chains {
             line(self.chain_line(chain));
-        }
-        if !self.sets.is_empty() {
-            for chain in &self.chains {
-                line(format!("flush chain inet {} {}", self.name, chain.name));
-            }
         }
         for rule in &self.rules {
             line(self.rule_line(rule));

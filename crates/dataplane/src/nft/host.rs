@@ -27,7 +27,9 @@ const UDATA_SET_ELEM_COMMENT: u8 = 0;
 const ENOENT: i32 = 2;
 
 /// Programs the host table: the probe set(s), kept with their elements when they already exist,
-/// and the postrouting chain with exactly the desired rules. Safe to repeat.
+/// then every rule of the table replaced by the desired ones: the steps
+/// [`Table::render`](cni_core::redirect::nft::Table::render) writes (Istio's set and rule
+/// transactions), in one batch. Safe to repeat.
 pub fn apply_host_rules(netns: &Netns, cfg: &HostProbeConfig) -> Result<(), NftError> {
     let ruleset = host_ruleset(cfg);
     let mut batch = Batch::default();
@@ -36,13 +38,8 @@ pub fn apply_host_rules(netns: &Netns, cfg: &HostProbeConfig) -> Result<(), NftE
         for (i, set) in table.sets.iter().enumerate() {
             batch.add_set(&table.name, set, i as u32 + 1);
         }
-        for chain in &table.chains {
-            batch.add_chain(&table.name, chain);
-            batch.flush_chain(&table.name, &chain.name);
-        }
-        for rule in &table.rules {
-            batch.add_rule(&table.name, rule);
-        }
+        batch.flush_table(&table.name);
+        batch.add_contents(table);
     }
     with_socket(netns, move |sock| batch.commit(sock))
 }
@@ -318,9 +315,16 @@ pub enum KubeletUidError {
 }
 
 /// Whether a process is kubelet: `kubelet`, or MicroK8s' `kubelite`, whose command line must
-/// name kubelet; or `k3s`, which embeds kubelet in its single binary.
+/// name kubelet in any letter case (Istio lowercases each argument before looking, so
+/// `/opt/Kubelet/bin/kubelite` counts); or `k3s`, which embeds kubelet in its single binary.
 pub fn is_kubelet(comm: &str, cmdline: &[u8]) -> bool {
-    let names_kubelet = || cmdline.windows(7).any(|w| w == b"kubelet");
+    let names_kubelet = || {
+        cmdline.split(|b| *b == 0).any(|arg| {
+            String::from_utf8_lossy(arg)
+                .to_lowercase()
+                .contains("kubelet")
+        })
+    };
     match comm.trim_end() {
         "kubelet" | "kubelite" => names_kubelet(),
         "k3s" => true,
@@ -428,6 +432,21 @@ mod tests {
             8,
         );
         assert_eq!(kubelet_uid(root.path()).unwrap(), 8);
+    }
+
+    #[test]
+    fn kubelet_on_the_command_line_is_matched_in_any_case() {
+        let root = tempfile::tempdir().unwrap();
+        proc_entry(
+            root.path(),
+            20,
+            "kubelite",
+            &["/opt/KUBELET/kubelite", "--Kubelet-Args-File=/x"],
+            9,
+        );
+        assert_eq!(kubelet_uid(root.path()).unwrap(), 9);
+        assert!(is_kubelet("kubelet", b"/usr/bin/KubeLet\0--v=2\0"));
+        assert!(!is_kubelet("kubelet", b"/usr/bin/kube\0let\0"));
     }
 
     #[test]

@@ -118,14 +118,12 @@ impl Batch {
         ));
     }
 
-    /// `flush chain`: a rule deletion naming only the chain removes all its rules.
-    pub fn flush_chain(&mut self, table: &str, chain: &str) {
+    /// `flush table`: a rule deletion naming only the table removes the rules of every chain in
+    /// it; chains, sets and set elements stay.
+    pub fn flush_table(&mut self, table: &str) {
         self.push(change(
             NfTablesMessage::DeleteRule(RuleMessage {
-                attributes: vec![
-                    RuleAttribute::Table(table.to_string()),
-                    RuleAttribute::Chain(chain.to_string()),
-                ],
+                attributes: vec![RuleAttribute::Table(table.to_string())],
             }),
             0,
         ));
