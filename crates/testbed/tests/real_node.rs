@@ -817,8 +817,7 @@ async fn readme_real_node_block_works_as_written() {
     let mut ran = 0;
     for cmd in &commands {
         // The kit brought this node up with exactly these two commands (its own image dir).
-        if cmd.starts_with("scripts/node-images build") || cmd.starts_with("scripts/real-node up")
-        {
+        if cmd.starts_with("scripts/node-images build") || cmd.starts_with("scripts/real-node up") {
             continue;
         }
         if let Some(alternatives) = cmd.strip_prefix("scripts/real-node restart ") {
@@ -843,7 +842,12 @@ async fn readme_real_node_block_works_as_written() {
         } else if cmd.ends_with("cat /etc/cni/net.d/10-bridge.conflist") {
             assert!(out.contains(r#""type": "istio-cni""#), "{out}");
         } else if cmd.ends_with("cat /var/run/ztunnel-peer/status.json") {
-            let uid = get(&node, "mesh", "app").await.unwrap().metadata.uid.unwrap();
+            let uid = get(&node, "mesh", "app")
+                .await
+                .unwrap()
+                .metadata
+                .uid
+                .unwrap();
             let status: Value = serde_json::from_str(&out).unwrap();
             assert!(status["workloads"].get(&uid).is_some(), "{out}");
         } else if cmd == "scripts/real-node shell" {
@@ -855,5 +859,8 @@ async fn readme_real_node_block_works_as_written() {
             assert!(!node.dir().exists(), "down keeps {}", node.dir().display());
         }
     }
-    assert!(ran >= 12, "the README block shrank to {ran} commands: {commands:#?}");
+    assert!(
+        ran >= 12,
+        "the README block shrank to {ran} commands: {commands:#?}"
+    );
 }
