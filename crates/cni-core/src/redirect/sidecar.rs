@@ -320,13 +320,37 @@ fn parse_cidrs(annotation: &'static str, value: &str) -> Result<Vec<IpNet>, Side
         .collect()
 }
 
+/// Istio's `ValidateInterfaceNames`, which fails the ADD: an empty value is no interfaces;
+/// otherwise every comma-separated item, trimmed, must be a name that starts with a letter, so
+/// an empty item (`eth0,`) or one starting with a digit, `_` or `.` is refused, as is anything
+/// [`InterfaceName`] refuses.
 fn parse_interfaces(
     annotation: &'static str,
     value: &str,
 ) -> Result<Vec<InterfaceName>, SidecarError> {
-    items(value)
-        .map(|i| {
-            InterfaceName::new(i)
+    if value.is_empty() {
+        return Ok(Vec::new());
+    }
+    value
+        .split(',')
+        .map(str::trim)
+        .enumerate()
+        .map(|(index, item)| {
+            if item.is_empty() {
+                return Err(bad(
+                    annotation,
+                    value,
+                    format!("item {} is empty", index + 1),
+                ));
+            }
+            if !item.starts_with(|c: char| c.is_ascii_alphabetic()) {
+                return Err(bad(
+                    annotation,
+                    value,
+                    format!("interface name {item:?} does not start with a letter"),
+                ));
+            }
+            InterfaceName::new(item)
                 .map_err(|e: InvalidInterfaceName| bad(annotation, value, e.to_string()))
         })
         .collect()
@@ -945,4 +969,63 @@ pub fn has_ipv6(ips: impl IntoIterator<Item = IpAddr>) -> bool {
 
 fn is_v6_link_local(ip: IpAddr) -> bool {
     matches!(ip, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn interfaces(annotation: &str, value: &str) -> Result<Vec<String>, SidecarError> {
+        let cfg = config_from_annotations(|k| (k == annotation).then_some(value))?;
+        let list = if annotation == EXCLUDE_INTERFACES {
+            cfg.exclude_interfaces
+        } else {
+            cfg.reroute_virtual_interfaces
+        };
+        Ok(list.iter().map(|i| i.as_str().to_string()).collect())
+    }
+
+    /// Istio fails the ADD for these (`ValidateInterfaceNames`); so must we, naming the
+    /// annotation and the item.
+    #[test]
+    fn interface_lists_refuse_what_istio_refuses() {
+        for annotation in [
+            EXCLUDE_INTERFACES,
+            REROUTE_VIRTUAL_INTERFACES,
+            KUBEVIRT_INTERFACES,
+        ] {
+            for (value, names) in [
+                ("eth0,", "item 2 is empty"),
+                (",eth0", "item 1 is empty"),
+                ("eth0,,eth1", "item 2 is empty"),
+                ("eth0, ", "item 2 is empty"),
+                (" ", "item 1 is empty"),
+                ("eth0,1net", "\"1net\" does not start with a letter"),
+                ("_tap", "\"_tap\" does not start with a letter"),
+                (".vlan", "\".vlan\" does not start with a letter"),
+                ("-j", "\"-j\" does not start with a letter"),
+                ("averyverylongname", "longer than 15 bytes"),
+                ("eth0;x", "only letters"),
+            ] {
+                let err = interfaces(annotation, value)
+                    .expect_err(&format!("{annotation}={value:?} accepted"));
+                let msg = err.to_string();
+                assert!(
+                    msg.contains(annotation) && msg.contains(names),
+                    "{annotation}={value:?}: {msg}"
+                );
+                assert!(
+                    matches!(&err, SidecarError::BadAnnotation { annotation: a, .. } if *a == annotation)
+                );
+            }
+            for (value, want) in [
+                ("", vec![]),
+                ("eth0", vec!["eth0"]),
+                (" eth0 , net1", vec!["eth0", "net1"]),
+                ("a_b.c-d9", vec!["a_b.c-d9"]),
+            ] {
+                assert_eq!(interfaces(annotation, value).unwrap(), want, "{value:?}");
+            }
+        }
+    }
 }
