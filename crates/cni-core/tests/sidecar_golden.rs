@@ -212,7 +212,7 @@ fn good_values_are_parsed() {
     let p = pod(
         json!({
             "traffic.sidecar.istio.io/excludeInboundPorts": "22, 15021,8080",
-            "traffic.sidecar.istio.io/includeOutboundIPRanges": "10.0.0.0/8, fd00::/8",
+            "traffic.sidecar.istio.io/includeOutboundIPRanges": "10.0.0.0/8,fd00::/8",
             "traffic.sidecar.istio.io/excludeInterfaces": "eth1,net2",
             "traffic.sidecar.istio.io/kubevirtInterfaces": "old0",
             "istio.io/reroute-virtual-interfaces": "new0",
