@@ -340,8 +340,6 @@ fn every_istio_sidecar_golden_is_mapped_or_not_applicable() {
             ));
         }
     }
-    // The mapping itself must also cover both sets of Istio's tests.
-    assert!(on_disk.len() >= 30, "only {} goldens found", on_disk.len());
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
