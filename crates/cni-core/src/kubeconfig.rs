@@ -1,9 +1,11 @@
-//! The kubeconfig the installer writes for the plugin (`<run dir>/istio-cni-kubeconfig`), read
-//! back by the plugin when the agent cannot answer, and the API server URL inside it.
+//! The kubeconfig the installer writes for the plugin (`<run dir>/istio-cni-kubeconfig`): its
+//! text, in the exact layout Istio's installer writes, and the parser the plugin reads it back
+//! with when the agent cannot answer, with the API server URL inside it.
 //!
 //! The parser is deliberately small: it reads the single-cluster, single-user layout our installer
-//! (and Istio's) writes, key by key, not YAML in general. It is pure so that it can be fuzzed; the
-//! plugin reads the file and resolves a `certificate-authority` path itself.
+//! (and Istio's) writes, key by key, not YAML in general. Both are pure so that they can be fuzzed
+//! and compared with Istio's goldens; the agent reads the CA and token files, the plugin reads the
+//! kubeconfig and resolves a `certificate-authority` path itself.
 
 use base64::Engine as _;
 
@@ -30,6 +32,73 @@ pub struct Kubeconfig {
     pub ca: Option<CaSource>,
     pub insecure_skip_tls_verify: bool,
     pub token: String,
+}
+
+/// How the plugin's kubeconfig trusts the API server's certificate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServerTrust<'a> {
+    /// `certificate-authority-data`: this CA bundle (PEM), base64-encoded into the file.
+    CaData(&'a [u8]),
+    /// `insecure-skip-tls-verify: true` (`SKIP_TLS_VERIFY`).
+    SkipVerify,
+}
+
+/// The API server URL the installer writes: `<protocol>://<host>:<port>`, an IPv6 host in
+/// brackets (Go's `net.JoinHostPort`, as Istio builds it).
+pub fn server_url(protocol: &str, host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("{protocol}://[{host}]:{port}")
+    } else {
+        format!("{protocol}://{host}:{port}")
+    }
+}
+
+/// The kubeconfig text the installer writes for the plugin, in Istio's layout (keys sorted,
+/// two-space nesting): cluster `local`, user `istio-cni` with `token`, context
+/// `istio-cni-context`. Values that would not read back as the same string in plain YAML are
+/// double-quoted.
+pub fn render(server: &str, trust: ServerTrust<'_>, token: &str) -> String {
+    let tls = match trust {
+        ServerTrust::SkipVerify => "    insecure-skip-tls-verify: true\n".to_string(),
+        ServerTrust::CaData(pem) => format!(
+            "    certificate-authority-data: {}\n",
+            base64::engine::general_purpose::STANDARD.encode(pem)
+        ),
+    };
+    format!(
+        "apiVersion: v1\n\
+         clusters:\n\
+         - cluster:\n\
+         {tls}    server: {server}\n  name: local\n\
+         contexts:\n\
+         - context:\n    cluster: local\n    user: istio-cni\n  name: istio-cni-context\n\
+         current-context: istio-cni-context\n\
+         kind: Config\n\
+         users:\n\
+         - name: istio-cni\n  user:\n    token: {token}\n",
+        server = yaml_scalar(server),
+        token = yaml_scalar(token),
+    )
+}
+
+/// A plain YAML scalar when that reads back as the same string, else a double-quoted one
+/// (JSON string syntax is valid YAML).
+fn yaml_scalar(s: &str) -> String {
+    let plain_char = |c: char| c.is_ascii_alphanumeric() || "._-/:[]@%+=~".contains(c);
+    let safe_start = s
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphanumeric() || c == '/');
+    let ambiguous = ["true", "false", "null", "yes", "no", "on", "off", "~"]
+        .contains(&s.to_ascii_lowercase().as_str())
+        || s.parse::<f64>().is_ok()
+        || s.contains(": ")
+        || s.ends_with(':');
+    if safe_start && s.chars().all(plain_char) && !ambiguous {
+        s.to_string()
+    } else {
+        serde_json::to_string(s).expect("strings serialise")
+    }
 }
 
 /// Reads the first `server`, `certificate-authority-data`, `certificate-authority`,
@@ -158,6 +227,42 @@ users:
   user:
     token: service_account_token_string
 ";
+
+    #[test]
+    fn renders_what_it_parses() {
+        let text = render(
+            &server_url("https", "fd00::1", 6443),
+            ServerTrust::CaData(b"-----BEGIN CERTIFICATE-----\n"),
+            "tok: en",
+        );
+        let kc = parse(&text).unwrap();
+        assert_eq!(kc.server, "https://[fd00::1]:6443");
+        assert_eq!(
+            kc.ca,
+            Some(CaSource::Pem(b"-----BEGIN CERTIFICATE-----\n".to_vec()))
+        );
+        assert!(text.contains("    token: \"tok: en\"\n"), "{text}");
+        let text = render(&server_url("http", "h", 80), ServerTrust::SkipVerify, "t");
+        let kc = parse(&text).unwrap();
+        assert!(kc.insecure_skip_tls_verify && kc.ca.is_none());
+        assert_eq!(
+            (kc.server.as_str(), kc.token.as_str()),
+            ("http://h:80", "t")
+        );
+    }
+
+    #[test]
+    fn odd_scalars_are_quoted() {
+        assert_eq!(yaml_scalar("eyJhbGci.eyJ-_x.sig"), "eyJhbGci.eyJ-_x.sig");
+        assert_eq!(
+            yaml_scalar("https://10.96.0.1:443"),
+            "https://10.96.0.1:443"
+        );
+        assert_eq!(yaml_scalar("tok\n"), "\"tok\\n\"");
+        assert_eq!(yaml_scalar("true"), "\"true\"");
+        assert_eq!(yaml_scalar("12345"), "\"12345\"");
+        assert_eq!(yaml_scalar(""), "\"\"");
+    }
 
     #[test]
     fn parses_the_installers_kubeconfig() {

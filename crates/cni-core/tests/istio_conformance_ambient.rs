@@ -38,6 +38,7 @@ use cni_core::redirect::iptables::{Family, host_probe_rules, inpod_restore, rest
 use cni_core::redirect::nft::{
     HostProbeConfig, NAT_TABLE, PROBE_SET_COMMENT, host_ruleset, inpod_ruleset, probe_set_name,
 };
+use istio_pin::istio_module::{self, Allowed};
 use istio_pin::{Backend, Setup};
 
 /// The allowlist file, from the repository root.
@@ -179,31 +180,8 @@ struct Difference {
     difference: String,
 }
 
-/// The part of the allowlist file this test owns; other top-level keys belong to other tests.
-#[derive(Debug, Default, serde::Deserialize)]
-struct AllowlistFile {
-    #[serde(default)]
-    ambient_rules: Vec<Allowed>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Allowed {
-    /// `iptables/<golden file>` or `nftables/<golden file>`.
-    case: String,
-    /// A line of [`line_diff`]'s output, exactly.
-    difference: String,
-    /// The QUIRK fix in ARCHITECTURE.md this difference is.
-    why: String,
-}
-
 fn load_allowlist() -> Vec<Allowed> {
-    let path = istio_pin::repo_root().join(ALLOWLIST);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    let file: AllowlistFile = serde_yaml::from_str(&text)
-        .unwrap_or_else(|e| panic!("{}: ambient_rules: {e}", path.display()));
-    file.ambient_rules
+    istio_module::allowlist("ambient_rules")
 }
 
 /// Problems left after the allowlist: differences it does not list, entries that match
@@ -287,7 +265,7 @@ fn ambient_rules_match_istio_goldens() {
         problems.is_empty(),
         "ambient rules differ from istio.io/istio@{} ({} goldens compared; fix ours, or list a \
          deliberate QUIRK fix under ambient_rules: in {ALLOWLIST}):\n{}",
-        istio_pin::pinned_version(),
+        istio_module::pinned_version(),
         compared,
         problems.join("\n")
     );
@@ -372,18 +350,24 @@ fn allowlist_takes_listed_differences_and_fails_unlisted_and_stale_ones() {
 
 #[test]
 fn allowlist_reads_only_its_own_key() {
-    let file: AllowlistFile = serde_yaml::from_str(
-        "sidecar_rules:\n  - anything: 1\nambient_rules:\n  - case: iptables/ingress.golden\n    \
-         difference: 'ours only: -A X'\n    why: QUIRK\n",
-    )
-    .unwrap();
-    assert_eq!(file.ambient_rules.len(), 1);
-    let none: AllowlistFile = serde_yaml::from_str("installer: []\n").unwrap();
-    assert!(none.ambient_rules.is_empty());
+    let text = "sidecar_rules:\n  - anything: 1\nambient_rules:\n  - case: iptables/ingress.golden\n    \
+         difference: 'ours only: -A X'\n    why: QUIRK\n";
+    assert_eq!(
+        istio_module::parse_allowlist(text, "ambient_rules")
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(
+        istio_module::parse_allowlist("installer: []\n", "ambient_rules")
+            .unwrap()
+            .is_empty()
+    );
     // A misspelt field is an error, not a silently ignored entry.
     assert!(
-        serde_yaml::from_str::<AllowlistFile>(
-            "ambient_rules:\n  - case: a\n    diference: b\n    why: c\n"
+        istio_module::parse_allowlist(
+            "ambient_rules:\n  - case: a\n    diference: b\n    why: c\n",
+            "ambient_rules"
         )
         .is_err()
     );

@@ -164,24 +164,45 @@ fn native_nftables_programs_nftables_and_tproxy_routing() {
 #[test]
 fn bad_annotation_fails_the_add_naming_pod_and_annotation() {
     dataplane::require_root!();
-    let dir = tempfile::tempdir().unwrap();
-    let ns = TestNetns::new("plug-scb");
-    let pod =
-        sidecar_pod(json!({"traffic.sidecar.istio.io/excludeOutboundIPRanges": "10.0.0.0/8,10.1"}));
-    let _agent = agent_says_sidecar(dir.path(), pod);
-    let out = add(ns.path().to_str().unwrap(), &conf(dir.path(), true, false));
-    assert_eq!(out.code, 1, "{}", out.stdout);
-    let e: Value = serde_json::from_str(&out.stdout).unwrap();
-    let msg = e["msg"].as_str().unwrap();
-    assert!(msg.contains("default/web-0"), "{msg}");
-    assert!(
-        msg.contains("traffic.sidecar.istio.io/excludeOutboundIPRanges"),
-        "{msg}"
-    );
-    assert!(
-        !nat_rules(&ns).contains("ISTIO"),
-        "nothing may be programmed"
-    );
+    // (annotation, value, the bad item the message must name). Interface lists follow Istio's
+    // ValidateInterfaceNames: an empty item, or one not starting with a letter, fails the ADD.
+    for (key, value, item) in [
+        (
+            "traffic.sidecar.istio.io/excludeOutboundIPRanges",
+            "10.0.0.0/8,10.1",
+            "10.1",
+        ),
+        (
+            "traffic.sidecar.istio.io/excludeInterfaces",
+            "eth0,",
+            "item 2 is empty",
+        ),
+        (
+            "istio.io/reroute-virtual-interfaces",
+            "net1,1net",
+            "\"1net\"",
+        ),
+        (
+            "traffic.sidecar.istio.io/kubevirtInterfaces",
+            "_tap0",
+            "\"_tap0\"",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let ns = TestNetns::new("plug-scb");
+        let pod = sidecar_pod(json!({ key: value }));
+        let _agent = agent_says_sidecar(dir.path(), pod);
+        let out = add(ns.path().to_str().unwrap(), &conf(dir.path(), true, false));
+        assert_eq!(out.code, 1, "{key}={value:?}: {}", out.stdout);
+        let e: Value = serde_json::from_str(&out.stdout).unwrap();
+        let msg = e["msg"].as_str().unwrap();
+        assert!(msg.contains("default/web-0"), "{msg}");
+        assert!(msg.contains(key) && msg.contains(item), "{msg}");
+        assert!(
+            !nat_rules(&ns).contains("ISTIO"),
+            "{key}={value:?}: nothing may be programmed"
+        );
+    }
 }
 
 #[test]

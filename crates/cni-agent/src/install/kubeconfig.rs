@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use base64::Engine;
+use cni_core::kubeconfig::ServerTrust;
 
 use crate::hostfs::{FileMode, HostDir, HostFsError};
 use crate::install::config::InstallConfig;
@@ -27,7 +27,8 @@ pub enum KubeconfigError {
     HostFs(#[from] HostFsError),
 }
 
-/// Renders the kubeconfig in the exact layout Istio writes (keys sorted, two-space nesting).
+/// Renders the kubeconfig in the exact layout Istio writes (`cni_core::kubeconfig::render`,
+/// compared with Istio's goldens by cni-core's installer conformance test).
 pub fn render(cfg: &InstallConfig) -> Result<String, KubeconfigError> {
     let host = cfg
         .kube_service
@@ -35,60 +36,29 @@ pub fn render(cfg: &InstallConfig) -> Result<String, KubeconfigError> {
         .as_deref()
         .ok_or(KubeconfigError::MissingHost)?;
     let port = cfg.kube_service.port.ok_or(KubeconfigError::MissingPort)?;
-    let host = if host.contains(':') {
-        format!("[{host}]")
-    } else {
-        host.to_string()
-    };
-    let server = format!("{}://{host}:{port}", cfg.kube_service.protocol);
+    let server = cni_core::kubeconfig::server_url(&cfg.kube_service.protocol, host, port);
     let read = |path: PathBuf| {
         std::fs::read(&path).map_err(|source| KubeconfigError::Read { path, source })
     };
-    let tls = if cfg.skip_tls_verify {
-        "    insecure-skip-tls-verify: true\n".to_string()
+    let ca = if cfg.skip_tls_verify {
+        None
     } else {
         let ca_path = cfg
             .kube_ca_file
             .clone()
             .unwrap_or_else(|| cfg.service_account_dir.join("ca.crt"));
-        let ca = base64::engine::general_purpose::STANDARD.encode(read(ca_path)?);
-        format!("    certificate-authority-data: {ca}\n")
+        Some(read(ca_path)?)
     };
-    let token = String::from_utf8_lossy(&read(cfg.service_account_dir.join("token"))?).into_owned();
-    Ok(format!(
-        "apiVersion: v1\n\
-         clusters:\n\
-         - cluster:\n\
-         {tls}    server: {server}\n  name: local\n\
-         contexts:\n\
-         - context:\n    cluster: local\n    user: istio-cni\n  name: istio-cni-context\n\
-         current-context: istio-cni-context\n\
-         kind: Config\n\
-         users:\n\
-         - name: istio-cni\n  user:\n    token: {}\n",
-        yaml_scalar(&token),
-        server = yaml_scalar(&server),
+    let trust = match &ca {
+        Some(pem) => ServerTrust::CaData(pem),
+        None => ServerTrust::SkipVerify,
+    };
+    let token = read(cfg.service_account_dir.join("token"))?;
+    Ok(cni_core::kubeconfig::render(
+        &server,
+        trust,
+        &String::from_utf8_lossy(&token),
     ))
-}
-
-/// A plain YAML scalar when that reads back as the same string, else a double-quoted one
-/// (JSON string syntax is valid YAML).
-fn yaml_scalar(s: &str) -> String {
-    let plain_char = |c: char| c.is_ascii_alphanumeric() || "._-/:[]@%+=~".contains(c);
-    let safe_start = s
-        .chars()
-        .next()
-        .is_some_and(|c| c.is_ascii_alphanumeric() || c == '/');
-    let ambiguous = ["true", "false", "null", "yes", "no", "on", "off", "~"]
-        .contains(&s.to_ascii_lowercase().as_str())
-        || s.parse::<f64>().is_ok()
-        || s.contains(": ")
-        || s.ends_with(':');
-    if safe_start && s.chars().all(plain_char) && !ambiguous {
-        s.to_string()
-    } else {
-        serde_json::to_string(s).expect("strings serialise")
-    }
 }
 
 /// Writes the kubeconfig with `KUBECONFIG_MODE`; returns its path.
@@ -238,11 +208,7 @@ users:
     }
 
     #[test]
-    fn odd_tokens_are_quoted_and_logs_are_redacted() {
-        assert_eq!(yaml_scalar("eyJhbGci.eyJ-_x.sig"), "eyJhbGci.eyJ-_x.sig");
-        assert_eq!(yaml_scalar("tok\n"), "\"tok\\n\"");
-        assert_eq!(yaml_scalar("true"), "\"true\"");
-        assert_eq!(yaml_scalar("12345"), "\"12345\"");
+    fn logs_are_redacted() {
         let r = redacted(TLS_GOLDEN);
         assert!(
             !r.contains("service_account_token_string") && !r.contains("LS0t"),

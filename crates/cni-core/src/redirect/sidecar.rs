@@ -289,44 +289,110 @@ pub fn parse_go_bool(v: &str) -> Option<bool> {
     }
 }
 
+/// Istio's `config.Split` for the env-only lists (owner groups): empty items are dropped.
 fn items(value: &str) -> impl Iterator<Item = &str> {
     value.split(',').map(str::trim).filter(|s| !s.is_empty())
 }
 
+/// Istio's `parsePorts`: an empty (or blank) value is no ports; otherwise every comma-separated
+/// item, trimmed, must be a decimal port, so an empty item (`80,`) fails the ADD. Port 0 is
+/// refused too (Istio lets it through to iptables).
 fn parse_ports(annotation: &'static str, value: &str) -> Result<Vec<u16>, SidecarError> {
-    items(value)
-        .map(|p| match p.parse::<u16>() {
-            Ok(0) => Err(bad(annotation, value, format!("port {p:?} out of range"))),
-            Ok(n) => Ok(n),
-            Err(e) => Err(bad(annotation, value, format!("port {p:?}: {e}"))),
+    let list = value.trim();
+    if list.is_empty() {
+        return Ok(Vec::new());
+    }
+    list.split(',')
+        .map(str::trim)
+        .enumerate()
+        .map(|(index, p)| {
+            if p.is_empty() {
+                return Err(bad(
+                    annotation,
+                    value,
+                    format!("item {} is empty", index + 1),
+                ));
+            }
+            if !p.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(bad(
+                    annotation,
+                    value,
+                    format!("port {p:?} is not a number"),
+                ));
+            }
+            match p.parse::<u16>() {
+                Ok(0) => Err(bad(annotation, value, format!("port {p:?} out of range"))),
+                Ok(n) => Ok(n),
+                Err(e) => Err(bad(annotation, value, format!("port {p:?}: {e}"))),
+            }
         })
         .collect()
 }
 
+/// `*` exactly, as Istio compares it; anything else is a port list.
 fn parse_ports_wild(annotation: &'static str, value: &str) -> Result<Ports, SidecarError> {
-    if value.trim() == "*" {
+    if value == "*" {
         Ok(Ports::All)
     } else {
         parse_ports(annotation, value).map(Ports::List)
     }
 }
 
+/// Istio's `validateCIDRList`: an empty value is no ranges; otherwise every comma-separated item
+/// must be a CIDR as written, so an empty item (`10.0.0.0/8,`) or one with spaces around it fails
+/// the ADD.
 fn parse_cidrs(annotation: &'static str, value: &str) -> Result<Vec<IpNet>, SidecarError> {
-    items(value)
-        .map(|c| {
+    if value.is_empty() {
+        return Ok(Vec::new());
+    }
+    value
+        .split(',')
+        .enumerate()
+        .map(|(index, c)| {
+            if c.is_empty() {
+                return Err(bad(
+                    annotation,
+                    value,
+                    format!("item {} is empty", index + 1),
+                ));
+            }
             c.parse::<IpNet>()
                 .map_err(|e| bad(annotation, value, format!("CIDR {c:?}: {e}")))
         })
         .collect()
 }
 
+/// Istio's `ValidateInterfaceNames`, which fails the ADD: an empty value is no interfaces;
+/// otherwise every comma-separated item, trimmed, must be a name that starts with a letter, so
+/// an empty item (`eth0,`) or one starting with a digit, `_` or `.` is refused, as is anything
+/// [`InterfaceName`] refuses.
 fn parse_interfaces(
     annotation: &'static str,
     value: &str,
 ) -> Result<Vec<InterfaceName>, SidecarError> {
-    items(value)
-        .map(|i| {
-            InterfaceName::new(i)
+    if value.is_empty() {
+        return Ok(Vec::new());
+    }
+    value
+        .split(',')
+        .map(str::trim)
+        .enumerate()
+        .map(|(index, item)| {
+            if item.is_empty() {
+                return Err(bad(
+                    annotation,
+                    value,
+                    format!("item {} is empty", index + 1),
+                ));
+            }
+            if !item.starts_with(|c: char| c.is_ascii_alphabetic()) {
+                return Err(bad(
+                    annotation,
+                    value,
+                    format!("interface name {item:?} does not start with a letter"),
+                ));
+            }
+            InterfaceName::new(item)
                 .map_err(|e: InvalidInterfaceName| bad(annotation, value, e.to_string()))
         })
         .collect()
@@ -480,7 +546,7 @@ pub fn config_from_annotations<'a>(
         };
     }
     if let Some(v) = get(INCLUDE_OUTBOUND_IP_RANGES) {
-        cfg.include_outbound_ip_ranges = if v.trim() == "*" {
+        cfg.include_outbound_ip_ranges = if v == "*" {
             IpRanges::All
         } else {
             IpRanges::List(parse_cidrs(INCLUDE_OUTBOUND_IP_RANGES, v)?)
@@ -945,4 +1011,104 @@ pub fn has_ipv6(ips: impl IntoIterator<Item = IpAddr>) -> bool {
 
 fn is_v6_link_local(ip: IpAddr) -> bool {
     matches!(ip, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn interfaces(annotation: &str, value: &str) -> Result<Vec<String>, SidecarError> {
+        let cfg = config_from_annotations(|k| (k == annotation).then_some(value))?;
+        let list = if annotation == EXCLUDE_INTERFACES {
+            cfg.exclude_interfaces
+        } else {
+            cfg.reroute_virtual_interfaces
+        };
+        Ok(list.iter().map(|i| i.as_str().to_string()).collect())
+    }
+
+    /// Istio fails the ADD for these (`ValidateInterfaceNames`); so must we, naming the
+    /// annotation and the item.
+    #[test]
+    fn interface_lists_refuse_what_istio_refuses() {
+        for annotation in [
+            EXCLUDE_INTERFACES,
+            REROUTE_VIRTUAL_INTERFACES,
+            KUBEVIRT_INTERFACES,
+        ] {
+            for (value, names) in [
+                ("eth0,", "item 2 is empty"),
+                (",eth0", "item 1 is empty"),
+                ("eth0,,eth1", "item 2 is empty"),
+                ("eth0, ", "item 2 is empty"),
+                (" ", "item 1 is empty"),
+                ("eth0,1net", "\"1net\" does not start with a letter"),
+                ("_tap", "\"_tap\" does not start with a letter"),
+                (".vlan", "\".vlan\" does not start with a letter"),
+                ("-j", "\"-j\" does not start with a letter"),
+                ("averyverylongname", "longer than 15 bytes"),
+                ("eth0;x", "only letters"),
+            ] {
+                let err = interfaces(annotation, value)
+                    .expect_err(&format!("{annotation}={value:?} accepted"));
+                let msg = err.to_string();
+                assert!(
+                    msg.contains(annotation) && msg.contains(names),
+                    "{annotation}={value:?}: {msg}"
+                );
+                assert!(
+                    matches!(&err, SidecarError::BadAnnotation { annotation: a, .. } if *a == annotation)
+                );
+            }
+            for (value, want) in [
+                ("", vec![]),
+                ("eth0", vec!["eth0"]),
+                (" eth0 , net1", vec!["eth0", "net1"]),
+                ("a_b.c-d9", vec!["a_b.c-d9"]),
+            ] {
+                assert_eq!(interfaces(annotation, value).unwrap(), want, "{value:?}");
+            }
+        }
+    }
+
+    /// Port and CIDR lists as Istio's `parsePorts` / `validateCIDRList` take them: an empty item
+    /// fails the ADD, CIDRs are taken as written, `*` only exactly.
+    #[test]
+    fn port_and_cidr_lists_refuse_what_istio_refuses() {
+        let parse = |k: &str, v: &str| config_from_annotations(|a| (a == k).then_some(v));
+        for (key, value, names) in [
+            (INCLUDE_INBOUND_PORTS, "80,", "item 2 is empty"),
+            (EXCLUDE_INBOUND_PORTS, "6000,7000,", "item 3 is empty"),
+            (EXCLUDE_OUTBOUND_PORTS, "22,,23", "item 2 is empty"),
+            (INCLUDE_OUTBOUND_PORTS, "+80", "\"+80\" is not a number"),
+            (INCLUDE_INBOUND_PORTS, " *", "\"*\" is not a number"),
+            (INCLUDE_OUTBOUND_IP_RANGES, "10.0.0.0/8,", "item 2 is empty"),
+            (EXCLUDE_OUTBOUND_IP_RANGES, ",10.0.0.0/8", "item 1 is empty"),
+            (
+                EXCLUDE_OUTBOUND_IP_RANGES,
+                "10.0.0.0/8, 10.1.0.0/16",
+                "\" 10.1.0.0/16\"",
+            ),
+            (INCLUDE_OUTBOUND_IP_RANGES, " *", "\" *\""),
+            (EXCLUDE_OUTBOUND_IP_RANGES, " ", "\" \""),
+        ] {
+            let err = parse(key, value).expect_err(&format!("{key}={value:?} accepted"));
+            let msg = err.to_string();
+            assert!(msg.contains(key) && msg.contains(names), "{msg}");
+        }
+        let cfg = parse(INCLUDE_INBOUND_PORTS, " 80 , 8080 ").unwrap();
+        assert_eq!(cfg.include_inbound_ports, Ports::List(vec![80, 8080]));
+        let cfg = parse(INCLUDE_INBOUND_PORTS, "  ").unwrap();
+        assert_eq!(cfg.include_inbound_ports, Ports::List(vec![]));
+        let cfg = parse(INCLUDE_OUTBOUND_IP_RANGES, "10.0.0.0/8,fd00::/8").unwrap();
+        assert_eq!(
+            cfg.include_outbound_ip_ranges,
+            IpRanges::List(vec![
+                "10.0.0.0/8".parse().unwrap(),
+                "fd00::/8".parse().unwrap()
+            ])
+        );
+        let cfg = parse(INCLUDE_OUTBOUND_IP_RANGES, "").unwrap();
+        assert_eq!(cfg.include_outbound_ip_ranges, IpRanges::List(vec![]));
+    }
 }

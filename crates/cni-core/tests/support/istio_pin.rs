@@ -15,7 +15,9 @@
 
 use std::net::Ipv6Addr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+
+#[path = "../istio_module/mod.rs"]
+pub mod istio_module;
 
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::consts::PROBE_SNAT_V6;
@@ -150,64 +152,9 @@ pub fn setup(backend: Backend, file: &str) -> Option<Setup> {
     Some(Setup::Inpod(cfg))
 }
 
-/// The repository root: the nearest ancestor of this crate holding the pin.
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .find(|d| d.join("tools/istio/go.mod").is_file())
-        .expect("no tools/istio/go.mod above CARGO_MANIFEST_DIR")
-        .to_owned()
-}
-
-/// The pinned `istio.io/istio` version, as `tools/istio/go.mod` requires it.
-pub fn pinned_version() -> String {
-    let gomod = repo_root().join("tools/istio/go.mod");
-    let text = std::fs::read_to_string(&gomod)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", gomod.display()));
-    text.lines()
-        .find_map(|l| l.trim().strip_prefix("require istio.io/istio "))
-        .map(|v| v.trim().to_string())
-        .unwrap_or_else(|| panic!("{} requires no istio.io/istio", gomod.display()))
-}
-
-/// The pinned module's directory: `ISTIO_MODULE_DIR` when set, else what
-/// `tools/istio/moddir.sh` prints (it downloads the module on first use). Panics, naming what is
-/// missing, when neither yields the module: a conformance test must never pass without it.
+/// The pinned module's directory (located by the one locator the conformance tests share).
 pub fn module_dir() -> PathBuf {
-    let version = pinned_version();
-    let wanted = format!("istio.io/istio@{version} (pinned in tools/istio/go.mod)");
-    let dir = match std::env::var_os("ISTIO_MODULE_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => {
-            let script = repo_root().join("tools/istio/moddir.sh");
-            let out = Command::new("bash")
-                .arg(&script)
-                .output()
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "cannot run {}: {e}; it locates {wanted}. Set ISTIO_MODULE_DIR to the \
-                         module's directory instead",
-                        script.display()
-                    )
-                });
-            assert!(
-                out.status.success(),
-                "{} could not provide {wanted} (exit {}): {}\nIt needs `go` and the Go module \
-                 proxy (or a module cache that has it); or set ISTIO_MODULE_DIR to the module's \
-                 directory",
-                script.display(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        }
-    };
-    assert!(
-        dir.join("go.mod").is_file() && dir.join("cni").is_dir(),
-        "{} is not {wanted}: it has no go.mod and cni/ directory",
-        dir.display()
-    );
-    dir
+    istio_module::dir().to_path_buf()
 }
 
 /// The files of one backend's golden directory, by name, sorted. Panics when the directory is
