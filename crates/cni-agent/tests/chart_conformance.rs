@@ -530,6 +530,13 @@ fn matrix() -> Vec<Case> {
             "global: {resourceScope: namespace, networkPolicy: {enabled: true}}\nresourceQuotas: {enabled: true}\nprovider: multus",
         ),
         case("revision and ownerName", "revision: canary\nownerName: my-iop"),
+        // Strings Istio's templates write unquoted: all digits, they become numbers.
+        case(
+            "all-digit revision and ownerName",
+            "revision: '123'\nownerName: '456'",
+        ),
+        case("all-digit cniConfFileName", "cniConfFileName: '10'"),
+        case("env value with a quote", "env: {GREETING: 'say \"hi\"'}"),
         case("global.nativeNftables", "global: {nativeNftables: true}"),
         case("privileged", "privileged: true").warns(&["privileged"]),
         // Nulls clear a value.
