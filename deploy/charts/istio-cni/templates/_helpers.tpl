@@ -1,120 +1,136 @@
 {{/*
-Effective values, in layers (later wins): chart defaults, the `profile` (or `global.profile`)
-file, the `compatibilityVersion` file, the `platform` (or `global.platform`) file, then what the
-user set. Every template starts with
-  {{- $v := include "istio-cni.values" . | fromYaml }}
-Istio's legacy `cni.` prefix (`cni.chained=false`, the `values.cni` section of an IstioOperator)
-is folded into the user's layer, winning over the same value set without the prefix, as in
-Istio's chart. Unlike Istio's chart, a profile's value never beats one the user set.
-Merged with our own recursive helper rather than sprig's merge functions, which skip `false`, ""
-and 0 on the overriding side (so `--set chained=false` would be lost).
+Effective values. Every template starts with
+  {{- $s := dict "root" . }}{{- $_ := include "istio-cni.values" $s }}{{- $v := $s.v }}
+(the result is handed back in the dict, not as text, so numbers keep their type).
+
+The layers, as Istio's istio-cni chart has them (later wins; the same merge, sprig's
+mustMergeOverwrite: maps merge key by key, anything else replaces, and an explicit null replaces
+too, so `tolerations: null` clears the default):
+  1. the defaults (`_internal_defaults_do_not_set` in values.yaml);
+  2. the profile files: `profile` (or `global.profile`), then `compatibilityVersion`, then
+     `platform` (or `global.platform`), each files/profile-*.yaml;
+  3. what the user set;
+  4. the `cni` section of the result (Istio's legacy prefix): `cni.<value>` is copied over
+     `<value>`. A profile file's values under `cni:` land there too, so they beat the user's own
+     top-level value (NOTES.txt warns when that happens), and `cni.profile` / `cni.platform` /
+     `cni.compatibilityVersion` select nothing (they are read at step 2, before the copy).
 */}}
 {{- define "istio-cni.values" -}}
-{{- $defaults := deepCopy (index .Values "_internal_defaults_do_not_set") -}}
-{{- $raw := deepCopy (omit .Values "_internal_defaults_do_not_set") -}}
-{{- if hasKey $raw "defaults" -}}
+{{- $root := .root -}}
+{{- $defaults := deepCopy (index $root.Values "_internal_defaults_do_not_set") -}}
+{{- $user := deepCopy (omit $root.Values "_internal_defaults_do_not_set") -}}
+{{- if $user.defaults -}}
 {{- fail "values under `defaults` are not read: set them without the prefix (`--set hub=foo`, not `--set defaults.hub=foo`)" -}}
 {{- end -}}
-{{- include "istio-cni.checkKeys" (dict "src" $raw "known" $defaults "path" "" "extra" (list "cni" "compatibilityVersion")) -}}
-{{- $legacy := index $raw "cni" | default dict -}}
-{{- if not (kindIs "map" $legacy) -}}{{- fail (printf "value `cni` must be a map of this chart's values (the legacy prefix, e.g. cni.chained), not %v" $legacy) -}}{{- end -}}
-{{- include "istio-cni.checkKeys" (dict "src" $legacy "known" $defaults "path" "cni." "extra" (list "compatibilityVersion")) -}}
-{{- $user := omit $raw "cni" -}}
-{{- include "istio-cni.merge" (dict "dst" $user "src" $legacy) -}}
-{{- $profile := coalesce (dig "profile" "" $user) (dig "global" "profile" "" $user) -}}
-{{- if and $profile (ne $profile "default") -}}
-{{- $file := .Files.Get (printf "files/profile-%s.yaml" $profile) -}}
-{{- if not $file -}}{{- fail (printf "unknown profile %q (supported: default, ambient, demo, preview, remote, stable)" $profile) -}}{{- end -}}
-{{- include "istio-cni.merge" (dict "dst" $defaults "src" (fromYaml $file)) -}}
+{{- $profile := dict -}}
+{{- range $layer := include "istio-cni.layers" $root | fromYamlArray -}}
+{{- $file := $root.Files.Get (printf "files/profile-%s.yaml" $layer.file) -}}
+{{- if not $file -}}
+{{- fail (printf "unknown %s %q (supported: %s)" $layer.kind $layer.name $layer.supported) -}}
 {{- end -}}
-{{- $compat := dig "compatibilityVersion" "" $user -}}
-{{- if kindIs "float64" $compat -}}
-{{- /* A YAML `compatibilityVersion: 1.30` arrives as the number 1.3. */ -}}
-{{- $compat = printf "%.2f" $compat -}}
+{{- $_ := mustMergeOverwrite $profile (fromYaml $file) -}}
 {{- end -}}
-{{- if $compat -}}
-{{- $file := .Files.Get (printf "files/profile-compatibility-version-%v.yaml" $compat) -}}
-{{- if not $file -}}{{- fail (printf "unknown compatibilityVersion %q (supported: 1.25, 1.26, 1.27, 1.28, 1.29, 1.30)" (toString $compat)) -}}{{- end -}}
-{{- include "istio-cni.merge" (dict "dst" $defaults "src" (fromYaml $file)) -}}
+{{- if $profile -}}
+{{- $_ := mustMergeOverwrite $defaults $profile -}}
 {{- end -}}
-{{- $platform := coalesce (dig "platform" "" $user) (dig "global" "platform" "" $user) -}}
-{{- if $platform -}}
-{{- $file := .Files.Get (printf "files/profile-platform-%s.yaml" $platform) -}}
-{{- if not $file -}}{{- fail (printf "unknown global.platform %q (supported: gke, k3d, k3s, microk8s, minikube, openshift)" $platform) -}}{{- end -}}
-{{- include "istio-cni.merge" (dict "dst" $defaults "src" (fromYaml $file)) -}}
+{{- $values := mustMergeOverwrite $defaults $user -}}
+{{- $legacy := index $values "cni" -}}
+{{- if not (kindIs "invalid" $legacy) -}}
+{{- if not (kindIs "map" $legacy) -}}
+{{- fail (printf "value `cni` must be a map of this chart's values (the legacy prefix, e.g. cni.chained), not %v" $legacy) -}}
 {{- end -}}
-{{- include "istio-cni.merge" (dict "dst" $defaults "src" $user) -}}
-{{- $_ := set $defaults "platformName" $platform -}}
-{{- $_ := set $defaults "profileName" $profile -}}
-{{- toYaml $defaults -}}
+{{- $_ := mustMergeOverwrite $values $legacy -}}
+{{- end -}}
+{{- $_ := set . "v" $values -}}
 {{- end -}}
 
 {{/*
-Fails on a value this chart does not have (a typo would otherwise be dropped silently): `src` is
-what the user set at `path`, `known` the defaults there. Only maps with a fixed set of keys are
-checked inside; free-form ones (`global`, `env`, `affinity`, labels, Kubernetes objects) are not.
-The top-level keys of Istio's other charts, which Istio's shared profile files
-(manifests/helm-profiles) carry, are accepted and ignored so those files can be passed with -f.
+The profile files the user's values select, in merge order, as a YAML list of
+{kind, name, file, supported}. `profile: default` is the same as no profile. A
+`compatibilityVersion` written as a YAML number (1.30 arrives as 1.3) is read as the version.
 */}}
-{{- define "istio-cni.checkKeys" -}}
-{{- $fixed := list "ambient" "repair" "resourceQuotas" "logging" "networkPolicy" -}}
-{{- $foreign := list "meshConfig" "pilot" "ztunnel" "gateways" "istiodRemote" "configMap" "telemetry" "experimental" "trustedZtunnelNamespace" -}}
-{{- $known := .known -}}
-{{- $path := .path -}}
-{{- $top := not $path -}}
-{{- range $key, $val := .src -}}
-{{- $isExtra := or (has $key $.extra) (and $top (has $key $foreign)) -}}
-{{- if not (or (hasKey $known $key) $isExtra) -}}
-{{- fail (printf "unknown value %s%s: not a value of this chart (deploy/charts/istio-cni/README.md lists them)" $path $key) -}}
+{{- define "istio-cni.layers" -}}
+{{- $user := omit .Values "_internal_defaults_do_not_set" -}}
+{{- $global := $user.global -}}
+{{- if not (kindIs "map" $global) -}}{{- $global = dict -}}{{- end -}}
+{{- $layers := list -}}
+{{- $profile := coalesce $user.profile $global.profile -}}
+{{- if and $profile (ne (toString $profile) "default") -}}
+{{- $layers = append $layers (dict "kind" "profile" "name" (toString $profile) "file" (toString $profile) "supported" "default, ambient, demo, preview, remote, stable") -}}
 {{- end -}}
-{{- if and (has $key $fixed) (kindIs "map" $val) (kindIs "map" (index $known $key)) -}}
-{{- include "istio-cni.checkKeys" (dict "src" $val "known" (index $known $key) "path" (printf "%s%s." $path $key) "extra" list) -}}
+{{- $compat := $user.compatibilityVersion -}}
+{{- if kindIs "float64" $compat -}}{{- $compat = printf "%.2f" $compat -}}{{- end -}}
+{{- if $compat -}}
+{{- $layers = append $layers (dict "kind" "compatibilityVersion" "name" (toString $compat) "file" (printf "compatibility-version-%v" $compat) "supported" "1.25, 1.26, 1.27, 1.28, 1.29, 1.30") -}}
 {{- end -}}
+{{- $platform := coalesce $user.platform $global.platform -}}
+{{- if $platform -}}
+{{- $layers = append $layers (dict "kind" "global.platform" "name" (toString $platform) "file" (printf "platform-%v" $platform) "supported" "gke, k3d, k3s, microk8s, minikube, openshift") -}}
 {{- end -}}
-{{- end -}}
-
-{{/* Deep merge of map `src` into map `dst` (in place): maps merge, everything else replaces. */}}
-{{- define "istio-cni.merge" -}}
-{{- $dst := .dst -}}
-{{- range $key, $val := .src -}}
-{{- $cur := index $dst $key -}}
-{{- if and (kindIs "map" $val) (kindIs "map" $cur) -}}
-{{- include "istio-cni.merge" (dict "dst" $cur "src" $val) -}}
-{{- else if not (kindIs "invalid" $val) -}}
-{{- $_ := set $dst $key $val -}}
-{{- end -}}
-{{- end -}}
+{{- toYaml $layers -}}
 {{- end -}}
 
 {{- define "istio-cni.name" -}}istio-cni{{- end -}}
 
-{{/* Labels on every object (takes the effective values as `.v` and the root as `.root`). */}}
-{{- define "istio-cni.labels" -}}
+{{/* Labels naming the chart and release (on every object). */}}
+{{- define "istio-cni.chartLabels" -}}
 app.kubernetes.io/name: istio-cni
 app.kubernetes.io/part-of: istio
-app.kubernetes.io/instance: {{ .root.Release.Name }}
-app.kubernetes.io/managed-by: {{ .root.Release.Service }}
-app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
-helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
-istio.io/rev: {{ .v.revision | default "default" | quote }}
-install.operator.istio.io/owning-resource: {{ .v.ownerName | default "unknown" }}
-operator.istio.io/component: Cni
-release: {{ .root.Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end -}}
 
+{{/* Labels naming the Istio revision, installer and release (takes `v` and `root`). */}}
+{{- define "istio-cni.ownerLabels" -}}
+istio.io/rev: {{ .v.revision | default "default" | quote }}
+install.operator.istio.io/owning-resource: {{ .v.ownerName | default "unknown" | quote }}
+operator.istio.io/component: Cni
+release: {{ .root.Release.Name | quote }}
+{{- end -}}
+
+{{/*
+The image: `image` verbatim when it contains a `/`, else <hub>/<image>:<tag>. The tag is
+`tag`, `global.tag`, else the chart's appVersion. `variant` / `global.variant` are not applied:
+we publish one image per tag (NOTES.txt says so when one is set), so Istio's ambient profile's
+`global.variant=distroless` still pulls an image that exists.
+*/}}
 {{- define "istio-cni.image" -}}
 {{- if contains "/" .v.image -}}
 {{ .v.image }}
 {{- else -}}
-{{- $hub := .v.hub | default .v.global.hub -}}
-{{- $tag := .v.tag | default .v.global.tag | default .root.Chart.AppVersion -}}
-{{- $variant := .v.variant | default .v.global.variant -}}
-{{- if $hub }}{{ $hub }}/{{ end }}{{ .v.image | default "install-cni" }}:{{ $tag }}{{ if $variant }}-{{ $variant }}{{ end }}
+{{ .v.hub | default .v.global.hub }}/{{ .v.image | default "install-cni" }}:{{ include "istio-cni.tag" . }}
 {{- end -}}
 {{- end -}}
 
-{{/* Objects rendered for global.resourceScope: "cluster" or "namespace" (or "all"). */}}
+{{- define "istio-cni.tag" -}}
+{{ .v.tag | default .v.global.tag | default .root.Chart.AppVersion }}
+{{- end -}}
+
+{{/* Objects rendered for global.resourceScope `all`, or `cluster` / `namespace` (takes `v` and `scope`). */}}
 {{- define "istio-cni.inScope" -}}
-{{- $scope := lower (.v.global.resourceScope | default "all") -}}
+{{- $scope := .v.global.resourceScope -}}
 {{- if or (eq $scope "all") (eq $scope .scope) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+Container resources: `limits` and `requests` without their empty entries (a `cpu: null` set to
+drop a default), each left out when nothing remains. Amounts are written as given, unquoted, as
+Istio's chart writes them (`cpu: "1"` renders as the number 1; Kubernetes reads both the same).
+*/}}
+{{- define "istio-cni.resources" -}}
+{{- range $kind := list "limits" "requests" -}}
+{{- $amounts := index $ $kind -}}
+{{- $set := list -}}
+{{- range $name, $amount := $amounts -}}
+{{- if $amount -}}{{- $set = append $set (printf "%s: %v" $name $amount) -}}{{- end -}}
+{{- end -}}
+{{- if $set }}
+{{ $kind }}:
+{{- range $set }}
+  {{ . }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
