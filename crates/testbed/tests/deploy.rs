@@ -168,7 +168,7 @@ async fn every_rendered_manifest_passes_server_side_dry_run() {
 }
 
 #[test]
-fn platform_profiles_set_their_paths_and_user_values_win() {
+fn platform_profiles_set_their_paths_and_beat_user_values_as_in_istio() {
     let ds = |args: &[&str]| -> Value {
         let obj = render(args)
             .into_iter()
@@ -200,7 +200,7 @@ fn platform_profiles_set_their_paths_and_user_values_win() {
         "--set",
         "cniBinDir=/custom/bin",
     ]);
-    assert_eq!(host_path(&d, "cni-bin-dir"), "/custom/bin");
+    assert_eq!(host_path(&d, "cni-bin-dir"), "/home/kubernetes/bin");
     let d = ds(&[
         "--set",
         "global.platform=minikube",
@@ -209,8 +209,8 @@ fn platform_profiles_set_their_paths_and_user_values_win() {
     ]);
     assert_eq!(host_path(&d, "cni-netns-dir"), "/var/run/docker/netns");
 
-    // `false` from the user beats a profile's or default's `true` (openshift sets chained=false;
-    // here the user turns it back on, and turns DNS capture off).
+    // The profile beats the user, as in Istio's chart (openshift sets chained=false; the user's
+    // chained=true loses), while a value no profile sets is the user's (DNS capture off).
     let cm = render(&[
         "--set",
         "global.platform=openshift",
@@ -222,7 +222,7 @@ fn platform_profiles_set_their_paths_and_user_values_win() {
     .into_iter()
     .find(|o| manifests::kind(o) == "ConfigMap")
     .unwrap();
-    assert_eq!(cm.data["data"]["CHAINED_CNI_PLUGIN"], "true");
+    assert_eq!(cm.data["data"]["CHAINED_CNI_PLUGIN"], "false");
     assert_eq!(cm.data["data"]["AMBIENT_DNS_CAPTURE"], "false");
     assert_eq!(cm.data["data"]["CNI_CONF_NAME"], "istio-cni.conf");
 
