@@ -285,6 +285,13 @@ fn handle(port: u16, mut stream: TcpStream, original_dst: Option<SocketAddr>, ne
 
 /// A connection from inside the pod carrying ztunnel's mark, so the pod's rules let it through.
 pub fn connect_marked(dst: SocketAddr) -> io::Result<TcpStream> {
+    connect_marked_from(None, dst)
+}
+
+/// [`connect_marked`] from `src`, an address the pod does not own (`IP_TRANSPARENT`), as ztunnel
+/// connects to the app with the original client's address: the app's replies to it can only
+/// come back to this socket through the pod's connmark rules. Gives up after 5 s.
+pub fn connect_marked_from(src: Option<IpAddr>, dst: SocketAddr) -> io::Result<TcpStream> {
     let family = if dst.is_ipv4() {
         AddressFamily::Inet
     } else {
@@ -292,6 +299,14 @@ pub fn connect_marked(dst: SocketAddr) -> io::Result<TcpStream> {
     };
     let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
     setsockopt(&fd, sockopt::Mark, &ZTUNNEL_MARK)?;
+    if let Some(src) = src {
+        setsockopt(&fd, sockopt::IpTransparent, &true)?;
+        let from: SockaddrStorage = SocketAddr::new(src, 0).into();
+        bind(fd.as_raw_fd(), &from)?;
+    }
+    // A blocking connect gives up after the send timeout.
+    let limit = nix::sys::time::TimeVal::new(5, 0);
+    setsockopt(&fd, sockopt::SendTimeout, &limit)?;
     let addr: SockaddrStorage = dst.into();
     connect(fd.as_raw_fd(), &addr)?;
     let stream = TcpStream::from(fd);

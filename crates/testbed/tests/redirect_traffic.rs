@@ -15,7 +15,9 @@ use dataplane::test_support::TestNetns;
 use dataplane::{BackendOptions, backend, pod};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, socket};
 use std::os::fd::AsRawFd;
-use testbed::pod_proxy::{DNS_REPLY_PREFIX, HBONE_REPLY, PodProxy, connect_marked};
+use testbed::pod_proxy::{
+    DNS_REPLY_PREFIX, HBONE_REPLY, PodProxy, connect_marked, connect_marked_from,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -377,6 +379,15 @@ fn scenario(backend_name: &str, fam: Family) {
     assert_eq!(get(&a, b_app, None), format!("app-b saw {a_ip}"));
     assert_eq!(pb.count(INBOUND_PLAINTEXT_PORT), 2);
     assert_eq!(pa.count(OUTBOUND_PORT), 3);
+    // Inbound HBONE to an ingress-mode pod: ztunnel connects to the app from the client's
+    // address. The app's replies reach ztunnel only through the connmark rule (Istio's 1.29
+    // fix, issue 58546); without it they leave the pod and the connection never completes.
+    let client = fam.pod_ip(9);
+    let from_ztunnel = b
+        .run(move || connect_marked_from(Some(client), b_app))
+        .unwrap()
+        .unwrap_or_else(|e| panic!("ztunnel -> app of an ingress-mode pod: {e}"));
+    assert_eq!(read_all(from_ztunnel), format!("app-b saw {client}"));
 
     // Removal: traffic is direct again and nothing of ours is left.
     pod::unenroll(&a, &no_dns, rules.as_ref()).unwrap();
