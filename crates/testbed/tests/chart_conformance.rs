@@ -31,14 +31,16 @@
 //! `helm install --dry-run` against a stub API server (helm does not render them otherwise).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{Value, json};
+
+#[path = "deploy/fake_cluster.rs"]
+mod fake_cluster;
+use fake_cluster::FakeCluster;
 
 const ALLOWLIST: &str = "tools/istio/conformance-allowlist.yaml";
 const ALLOWLIST_KEY: &str = "chart";
@@ -736,152 +738,14 @@ fn matrix() -> Vec<Case> {
 // ---------------------------------------------------------------------------------------------
 // Rendering.
 
-/// A stub Kubernetes API on loopback: `/version` and discovery of the kinds the charts render;
-/// every object lookup is a 404 (nothing installed). Enough for `helm template --validate` and
-/// `helm install --dry-run`.
-struct StubApi {
-    kubeconfig: tempfile::NamedTempFile,
-}
-
-impl StubApi {
-    fn start(git_version: String) -> StubApi {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr: SocketAddr = listener.local_addr().unwrap();
-        // Serves until the test process exits.
-        std::thread::spawn(move || {
-            for conn in listener.incoming().flatten() {
-                let version = git_version.clone();
-                std::thread::spawn(move || serve_stub(conn, &version));
-            }
-        });
-        let mut kubeconfig = tempfile::NamedTempFile::new().unwrap();
-        write!(
-            kubeconfig,
-            "apiVersion: v1\nkind: Config\ncurrent-context: stub\n\
-             clusters: [{{name: stub, cluster: {{server: 'http://{addr}'}}}}]\n\
-             contexts: [{{name: stub, context: {{cluster: stub, user: stub}}}}]\n\
-             users: [{{name: stub, user: {{}}}}]\n"
-        )
-        .unwrap();
-        StubApi { kubeconfig }
-    }
-
-    fn kubeconfig(&self) -> &str {
-        self.kubeconfig.path().to_str().unwrap()
-    }
-}
-
-/// (group, resource, kind, namespaced)
-const STUB_RESOURCES: &[(&str, &str, &str, bool)] = &[
-    ("", "configmaps", "ConfigMap", true),
-    ("", "serviceaccounts", "ServiceAccount", true),
-    ("", "resourcequotas", "ResourceQuota", true),
-    ("apps", "daemonsets", "DaemonSet", true),
-    (
-        "rbac.authorization.k8s.io",
-        "clusterroles",
-        "ClusterRole",
-        false,
-    ),
-    (
-        "rbac.authorization.k8s.io",
-        "clusterrolebindings",
-        "ClusterRoleBinding",
-        false,
-    ),
-    (
-        "networking.k8s.io",
-        "networkpolicies",
-        "NetworkPolicy",
-        true,
-    ),
-    (
-        "k8s.cni.cncf.io",
-        "network-attachment-definitions",
-        "NetworkAttachmentDefinition",
-        true,
-    ),
-];
-
-fn serve_stub(conn: TcpStream, git_version: &str) {
-    let mut reader = BufReader::new(conn.try_clone().unwrap());
-    let mut request = String::new();
-    if reader.read_line(&mut request).is_err() {
-        return;
-    }
-    loop {
-        let mut header = String::new();
-        match reader.read_line(&mut header) {
-            Ok(0) | Err(_) => break,
-            Ok(_) if header == "\r\n" => break,
-            Ok(_) => {}
-        }
-    }
-    let target = request.split_whitespace().nth(1).unwrap_or("/");
-    let path = target.split('?').next().unwrap_or(target);
-    let groups: BTreeSet<&str> = STUB_RESOURCES
-        .iter()
-        .map(|r| r.0)
-        .filter(|g| !g.is_empty())
-        .collect();
-    let resources = |group: &str| {
-        let list: Vec<Value> = STUB_RESOURCES
-            .iter()
-            .filter(|r| r.0 == group)
-            .map(|(_, name, kind, namespaced)| {
-                json!({"name": name, "singularName": "", "namespaced": namespaced, "kind": kind,
-                       "verbs": ["get", "list", "create", "patch"]})
-            })
-            .collect();
-        let gv = if group.is_empty() {
-            "v1".to_string()
-        } else {
-            format!("{group}/v1")
-        };
-        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": list})
-    };
-    let body = match path {
-        "/version" => {
-            let minor = git_version.split('.').nth(1).unwrap_or("0");
-            Some(json!({"major": "1", "minor": minor, "gitVersion": git_version}))
-        }
-        "/api" => Some(json!({"kind": "APIVersions", "versions": ["v1"]})),
-        "/apis" => Some(json!({"kind": "APIGroupList", "apiVersion": "v1", "groups":
-            groups.iter().map(|g| {
-                let v = json!({"groupVersion": format!("{g}/v1"), "version": "v1"});
-                json!({"name": g, "versions": [v], "preferredVersion": v})
-            }).collect::<Vec<_>>()})),
-        "/api/v1" => Some(resources("")),
-        _ => path
-            .strip_prefix("/apis/")
-            .and_then(|p| p.strip_suffix("/v1"))
-            .filter(|g| groups.contains(g))
-            .map(resources),
-    };
-    let (status, body) = match body {
-        Some(b) => ("200 OK", b),
-        None => (
-            "404 Not Found",
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}),
-        ),
-    };
-    let body = body.to_string();
-    let mut conn = conn;
-    let _ = write!(
-        conn,
-        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-}
-
 /// Stub APIs by reported version, started on first use.
-struct Stubs(Mutex<BTreeMap<String, &'static StubApi>>);
+struct Stubs(Mutex<BTreeMap<String, &'static FakeCluster>>);
 
 impl Stubs {
-    fn get(&self, git_version: &str) -> &'static StubApi {
+    fn get(&self, git_version: &str) -> &'static FakeCluster {
         let mut map = self.0.lock().unwrap();
         map.entry(git_version.to_string())
-            .or_insert_with(|| Box::leak(Box::new(StubApi::start(git_version.to_string()))))
+            .or_insert_with(|| Box::leak(Box::new(FakeCluster::start(git_version))))
     }
 }
 
