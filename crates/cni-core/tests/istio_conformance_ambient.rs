@@ -38,7 +38,7 @@ use cni_core::redirect::iptables::{Family, host_probe_rules, inpod_restore, rest
 use cni_core::redirect::nft::{
     HostProbeConfig, NAT_TABLE, PROBE_SET_COMMENT, host_ruleset, inpod_ruleset, probe_set_name,
 };
-use istio_pin::istio_module::{self, Allowed};
+use istio_pin::istio_module::{self, Allowed, OnlyIn};
 use istio_pin::{Backend, Setup};
 
 /// The allowlist file, from the repository root.
@@ -142,35 +142,15 @@ fn compared_lines(
     }
 }
 
-/// The lines only one side has, in order, from a longest-common-subsequence walk: a line
-/// present on both sides in a different order shows as one of each.
+/// The lines only one side has, spelt as the allowlist lists them.
 fn line_diff(istio: &[String], ours: &[String]) -> Vec<String> {
-    let (n, m) = (istio.len(), ours.len());
-    let mut lcs = vec![vec![0usize; m + 1]; n + 1];
-    for i in (0..n).rev() {
-        for j in (0..m).rev() {
-            lcs[i][j] = if istio[i] == ours[j] {
-                lcs[i + 1][j + 1] + 1
-            } else {
-                lcs[i + 1][j].max(lcs[i][j + 1])
-            };
-        }
-    }
-    let (mut i, mut j) = (0, 0);
-    let mut out = Vec::new();
-    while i < n || j < m {
-        if i < n && j < m && istio[i] == ours[j] {
-            i += 1;
-            j += 1;
-        } else if j == m || (i < n && lcs[i + 1][j] >= lcs[i][j + 1]) {
-            out.push(format!("istio only: {}", istio[i]));
-            i += 1;
-        } else {
-            out.push(format!("ours only: {}", ours[j]));
-            j += 1;
-        }
-    }
-    out
+    istio_module::line_diff(istio, ours)
+        .into_iter()
+        .map(|(side, line)| match side {
+            OnlyIn::Istio => format!("istio only: {line}"),
+            OnlyIn::Ours => format!("ours only: {line}"),
+        })
+        .collect()
 }
 
 /// One difference found: the golden (`<backend>/<file>`) and the line only one side has.

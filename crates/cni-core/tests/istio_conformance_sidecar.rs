@@ -25,7 +25,7 @@ mod istio_module;
 use std::collections::{BTreeMap, BTreeSet};
 
 use cni_core::redirect::sidecar::{self, Detection, SidecarEnv};
-use istio_module::{Allowed, NOT_APPLICABLE};
+use istio_module::{Allowed, NOT_APPLICABLE, OnlyIn};
 use serde_json::{Value, json};
 
 const CAPTURE_DIR: &str = "tools/istio-iptables/pkg/capture/testdata";
@@ -248,34 +248,16 @@ fn golden_lines(text: &str) -> Vec<String> {
         .collect()
 }
 
-/// Line diff of `istio` → `ours` (longest common subsequence): `- ` lines only Istio has, `+ `
-/// lines only we have, in order; empty when equal.
+/// Line diff of `istio` → `ours`: `- ` lines only Istio has, `+ ` lines only we have, in order;
+/// empty when equal.
 fn diff(istio: &[String], ours: &[String]) -> String {
-    let (n, m) = (istio.len(), ours.len());
-    let mut lcs = vec![vec![0usize; m + 1]; n + 1];
-    for i in (0..n).rev() {
-        for j in (0..m).rev() {
-            lcs[i][j] = if istio[i] == ours[j] {
-                lcs[i + 1][j + 1] + 1
-            } else {
-                lcs[i + 1][j].max(lcs[i][j + 1])
-            };
-        }
-    }
-    let (mut i, mut j, mut out) = (0, 0, String::new());
-    while i < n || j < m {
-        if i < n && j < m && istio[i] == ours[j] {
-            i += 1;
-            j += 1;
-        } else if j < m && (i == n || lcs[i][j + 1] >= lcs[i + 1][j]) {
-            out.push_str(&format!("+ {}\n", ours[j]));
-            j += 1;
-        } else {
-            out.push_str(&format!("- {}\n", istio[i]));
-            i += 1;
-        }
-    }
-    out
+    istio_module::line_diff(istio, ours)
+        .into_iter()
+        .map(|(side, line)| match side {
+            OnlyIn::Istio => format!("- {line}\n"),
+            OnlyIn::Ours => format!("+ {line}\n"),
+        })
+        .collect()
 }
 
 fn allowlist() -> BTreeMap<String, Allowed> {

@@ -165,3 +165,40 @@ pub fn parse_allowlist(text: &str, key: &str) -> Result<Vec<Allowed>, String> {
     }
     Ok(entries)
 }
+
+/// Which side of a comparison has a line the other lacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnlyIn {
+    Istio,
+    Ours,
+}
+
+/// The lines only one side has, in order, from a longest-common-subsequence walk (where both
+/// orders fit, ours first): a line both sides have in a different order shows as one of each.
+pub fn line_diff<'a>(istio: &'a [String], ours: &'a [String]) -> Vec<(OnlyIn, &'a str)> {
+    let (n, m) = (istio.len(), ours.len());
+    let mut lcs = vec![vec![0usize; m + 1]; n + 1];
+    for i in (0..n).rev() {
+        for j in (0..m).rev() {
+            lcs[i][j] = if istio[i] == ours[j] {
+                lcs[i + 1][j + 1] + 1
+            } else {
+                lcs[i + 1][j].max(lcs[i][j + 1])
+            };
+        }
+    }
+    let (mut i, mut j, mut out) = (0, 0, Vec::new());
+    while i < n || j < m {
+        if i < n && j < m && istio[i] == ours[j] {
+            i += 1;
+            j += 1;
+        } else if j < m && (i == n || lcs[i][j + 1] >= lcs[i + 1][j]) {
+            out.push((OnlyIn::Ours, ours[j].as_str()));
+            j += 1;
+        } else {
+            out.push((OnlyIn::Istio, istio[i].as_str()));
+            i += 1;
+        }
+    }
+    out
+}
