@@ -944,6 +944,16 @@ mod tests {
         let mut add = spawn("ADD");
         let mut del = spawn("DEL");
         let found = (add.id(), del.id());
+        // spawn returns once exec has begun, but the kernel publishes the new environment a
+        // little later: until then /proc/<pid>/environ reads empty.
+        for pid in [found.0, found.1] {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|e| e.is_empty())
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
         let seen = (
             is_add_of(found.0, "churn-1"),
             is_add_of(found.0, "churn-10"),
