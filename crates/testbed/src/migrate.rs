@@ -1,6 +1,6 @@
 //! Issue #22 on the real node ([`crate::real_node`]): our agent with the iptables backend, Istio's
 //! own agent (its `cni` chart read from the pinned module, its binaries built from it into
-//! `localhost/istio/install-cni:dev` by `scripts/node-images`), and the switch between the two.
+//! `localhost/istio/install-cni:dev-distroless` by `scripts/node-images`), and the switch between the two.
 //! Pods, the witness, the peer's view and the iptables rules of a pod or of the node, as the
 //! tests of `tests/real_node_iptables.rs` and `tests/istio_agent.rs` check them.
 
@@ -17,6 +17,9 @@ use crate::real_node::{PEER, REDIRECTION, RealNode, VALUES, annotation, running}
 /// Istio's image hub on the node: Istio's chart renders `<hub>/install-cni:<tag>`, and our hub
 /// would name our image.
 pub const ISTIO_HUB: &str = "localhost/istio";
+/// Istio's image as its chart renders it with [`ISTIO_HUB`], tag `dev` and the `ambient` profile
+/// (which selects the distroless variant).
+pub const ISTIO_IMAGE: &str = "localhost/istio/install-cni:dev-distroless";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
