@@ -197,11 +197,37 @@ async fn istios_agent_enrolls_kubelets_pods_then_helm_upgrade_to_ours_and_back_k
     assert!(legacy.contains("*nat"), "{legacy}");
     still_enrolled(&node, "by-istio", &istio_uid, &istio_rules, "Istio", true).await;
     still_enrolled(&node, "by-ours", &ours_uid, &ours_rules, "Istio", true).await;
-    enrolled_pod(&node, "by-istio-again", "Istio", Variant::Legacy).await;
+    let (again_uid, _) = enrolled_pod(&node, "by-istio-again", "Istio", Variant::Legacy).await;
     let conflist = node.read(CONFLIST).unwrap();
     assert_eq!(
         conflist.matches("\"type\": \"istio-cni\"").count(),
         1,
         "{conflist}"
     );
+
+    // Ours once more, onto the node Istio's flip left in both variants: our agent keeps the
+    // variant kubelet uses and removes the legacy copies, so every pod ends with the nft rules
+    // alone, still redirected and known to the peer, and the host chains in nft only.
+    helm_cni(&node, "upgrade", false).await;
+    assert_eq!(agent_image(&node), "localhost/istio-cni-rs/install-cni:dev");
+    for (name, uid) in [
+        ("by-istio", &istio_uid),
+        ("by-ours", &ours_uid),
+        ("by-istio-again", &again_uid),
+    ] {
+        node.eventually(
+            &format!("{name}'s legacy rules removed by our agent"),
+            Duration::from_secs(60),
+            || async { (!pod_rules(&node, uid).legacy.contains("ISTIO")).then_some(()) },
+        )
+        .await;
+        still_enrolled(&node, name, uid, &istio_rules, "our", false).await;
+    }
+    let host = node_rules(&node);
+    assert!(
+        host.nft.contains("-A POSTROUTING -j ISTIO_POSTRT"),
+        "{}",
+        host.nft
+    );
+    assert!(!host.legacy.contains("ISTIO"), "{}", host.legacy);
 }
