@@ -294,3 +294,38 @@ pub fn pod_rules(node: &RealNode, uid: &str) -> Rules {
 pub fn node_rules(node: &RealNode) -> Rules {
     Rules::of(Path::new(&format!("/proc/{}/ns/net", node.holder_pid())))
 }
+
+/// Makes the node a legacy-iptables one, as a distribution defaulting to legacy would have it:
+/// the node's `iptables`/`ip6tables` alternatives set to legacy (in its own `/etc` and
+/// `/var/lib`, not the machine's), kubelet's nft chains removed from the node's namespace, and
+/// kubelet restarted, which writes its `KUBE-IPTABLES-HINT` and canaries with legacy.
+pub async fn make_node_legacy(node: &RealNode) {
+    node.script(&[
+        "exec",
+        "sh",
+        "-c",
+        "update-alternatives --set iptables /usr/sbin/iptables-legacy >/dev/null && \
+         update-alternatives --set ip6tables /usr/sbin/ip6tables-legacy >/dev/null",
+    ]);
+    let netns = PathBuf::from(format!("/proc/{}/ns/net", node.holder_pid()));
+    let tables = netns_exec(&netns, "nft", &["list", "tables"]);
+    for t in tables.lines() {
+        let words: Vec<&str> = t.split_whitespace().collect();
+        if let ["table", family, name] = words[..] {
+            netns_exec(&netns, "nft", &["delete", "table", family, name]);
+        }
+    }
+    node.restart("kubelet").await;
+    node.eventually(
+        "kubelet's iptables hint in legacy",
+        Duration::from_secs(30),
+        || async {
+            node_rules(node)
+                .legacy
+                .contains(":KUBE-IPTABLES-HINT")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(!node_rules(node).nft.contains("KUBE-"));
+}

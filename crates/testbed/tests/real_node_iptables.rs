@@ -8,10 +8,13 @@
 use std::time::Duration;
 
 use testbed::migrate::{
-    Rules, agent_log, create, node_rules, peer_workloads, pod_rules, redirected_now, wait_running,
-    witness,
+    Rules, agent_log, create, make_node_legacy, node_rules, peer_workloads, pod_rules,
+    redirected_now, wait_running, witness,
 };
 use testbed::real_node::{CONFLIST, REDIRECTION, RealNode, annotation, witness_pod};
+
+/// One node at a time: a node is several hundred MB of processes and most of a core to start.
+static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The node's kubelet marks its iptables variant with `KUBE-IPTABLES-HINT` in mangle; the
 /// node's `iptables` is Debian's default, nft.
@@ -28,6 +31,7 @@ fn assert_kubelet_uses_nft(rules: &Rules) {
 async fn iptables_backend_redirects_kubelets_pods_with_the_nodes_variant_then_uninstall_cleans_up()
 {
     dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
     let node = RealNode::up().await;
     let before = node.read(CONFLIST).expect("the node's bridge conflist");
     let host_before = node_rules(&node);
@@ -131,4 +135,43 @@ async fn iptables_backend_redirects_kubelets_pods_with_the_nodes_variant_then_un
     let host = node_rules(&node);
     assert!(!host.nft.contains("ISTIO"), "{}", host.nft);
     assert_kubelet_uses_nft(&host);
+}
+
+/// On a node whose kubelet uses legacy iptables, the same image's agent picks legacy, and the
+/// pods' redirect rules are legacy ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn iptables_backend_follows_a_legacy_node() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let node = RealNode::up().await;
+    make_node_legacy(&node).await;
+    node.install_chart(&["--set", "global.nativeNftables=false"])
+        .await;
+    let log = agent_log(&node);
+    let chosen = log
+        .lines()
+        .find(|l| l.contains("iptables variant chosen"))
+        .unwrap_or_else(|| panic!("no variant in the agent's log:\n{log}"));
+    assert!(chosen.contains("iptables-legacy"), "{chosen}");
+    let host = node_rules(&node);
+    assert!(
+        host.legacy.contains("-A POSTROUTING -j ISTIO_POSTRT"),
+        "{}",
+        host.legacy
+    );
+    assert!(!host.nft.contains("ISTIO"), "{}", host.nft);
+
+    node.namespace("mesh", true).await;
+    let uid = create(&node, "mesh", witness_pod("app", "sleep 3600")).await;
+    wait_running(&node, "mesh", "app").await;
+    testbed::migrate::wait_redirection(&node, "mesh", "app", Some("enabled")).await;
+    assert_eq!(witness(&node, "mesh", "app"), "REDIRECTED");
+    let rules = pod_rules(&node, &uid);
+    assert!(
+        rules.legacy.contains("-A OUTPUT -j ISTIO_OUTPUT") && rules.legacy.contains("15001"),
+        "{}",
+        rules.legacy
+    );
+    assert!(!rules.nft.contains("ISTIO"), "{}", rules.nft);
+    assert!(peer_workloads(&node).contains_key(&uid));
 }
