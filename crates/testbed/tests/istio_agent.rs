@@ -128,6 +128,9 @@ fn by_table(rules: &str) -> std::collections::BTreeMap<String, String> {
     tables
 }
 
+/// One node at a time: a node is several hundred MB of processes and most of a core to start.
+static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn plugin_on_node(node: &RealNode) -> Vec<u8> {
     std::fs::read(node.node_path("/opt/cni/bin/istio-cni")).expect("the plugin on the node")
 }
@@ -135,6 +138,7 @@ fn plugin_on_node(node: &RealNode) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn istios_agent_enrolls_kubelets_pods_then_helm_upgrade_to_ours_and_back_keeps_them() {
     dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
     let node = RealNode::up().await;
     let istio_plugin = istio_plugin_binary();
 
@@ -230,4 +234,49 @@ async fn istios_agent_enrolls_kubelets_pods_then_helm_upgrade_to_ours_and_back_k
         host.nft
     );
     assert!(!host.legacy.contains("ISTIO"), "{}", host.legacy);
+}
+
+/// The ordering docs/migrate-from-istio.md warns against: `helm uninstall` of Istio's chart before
+/// installing ours. Istio's agent takes its uninstall path (plugin and config entry removed), so
+/// an ambient pod created in the gap starts unredirected; running pods keep their rules. Our
+/// agent, once installed, enrolls the gap's pod as a running pod (redirected from then on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_uninstall_of_istios_chart_first_leaves_a_gap_that_our_install_closes() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let node = RealNode::up().await;
+    helm_cni(&node, "install", true).await;
+    install_peer(&node).await;
+    node.namespace("mesh", true).await;
+    let (before_uid, before_rules) = enrolled_pod(&node, "before", "Istio", Variant::Nft).await;
+
+    node.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
+    node.eventually(
+        "Istio's agent removed its plugin from the conflist",
+        Duration::from_secs(60),
+        || async { (!node.read(CONFLIST)?.contains("istio-cni")).then_some(()) },
+    )
+    .await;
+    let gap = create(&node, "mesh", witness_pod("gap", "sleep 3600")).await;
+    wait_running(&node, "mesh", "gap").await;
+    assert_eq!(witness(&node, "mesh", "gap"), "DIRECT", "the gap's pod");
+    assert_eq!(
+        annotation(&get(&node, "mesh", "gap").await.unwrap(), REDIRECTION),
+        None
+    );
+    assert!(
+        redirected_now(&node, "mesh", "before"),
+        "running pods keep their rules"
+    );
+
+    helm_cni(&node, "install", false).await;
+    wait_redirection(&node, "mesh", "gap", Some("enabled")).await;
+    wait_peer_has(&node, &gap, true).await;
+    assert!(redirected_now(&node, "mesh", "gap"));
+    assert_eq!(
+        witness(&node, "mesh", "gap"),
+        "DIRECT",
+        "its first connection stays unredirected"
+    );
+    still_enrolled(&node, "before", &before_uid, &before_rules, "our", false).await;
 }
