@@ -6,6 +6,7 @@ pub mod churn;
 pub mod cni_runtime;
 pub mod kube;
 pub mod manifests;
+pub mod migrate;
 pub mod node;
 pub mod pod_proxy;
 pub mod real_node;

@@ -1,0 +1,331 @@
+//! Issue #22 on the real node ([`crate::real_node`]): our agent with the iptables backend, Istio's
+//! own agent (its `cni` chart read from the pinned module, its binaries built from it into
+//! `localhost/istio/install-cni:dev-distroless` by `scripts/node-images`), and the switch between the two.
+//! Pods, the witness, the peer's view and the iptables rules of a pod or of the node, as the
+//! tests of `tests/real_node_iptables.rs` and `tests/istio_agent.rs` check them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use serde_json::Value;
+
+use crate::real_node::{PEER, REDIRECTION, RealNode, VALUES, annotation, running};
+
+/// Istio's image hub on the node: Istio's chart renders `<hub>/install-cni:<tag>`, and our hub
+/// would name our image.
+pub const ISTIO_HUB: &str = "localhost/istio";
+/// Istio's image as its chart renders it with [`ISTIO_HUB`], tag `dev` and the `ambient` profile
+/// (which selects the distroless variant).
+pub const ISTIO_IMAGE: &str = "localhost/istio/install-cni:dev-distroless";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A file of the repository, as an absolute path (helm runs in the test's working directory).
+pub fn repo_path(p: &str) -> String {
+    repo().join(p).to_str().unwrap().to_string()
+}
+
+/// The pinned Istio's module directory (`tools/istio/moddir.sh`).
+pub fn istio_moddir() -> PathBuf {
+    let out = Command::new(repo().join("tools/istio/moddir.sh"))
+        .output()
+        .expect("tools/istio/moddir.sh");
+    assert!(
+        out.status.success(),
+        "tools/istio/moddir.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// Istio's own `istio-cni` chart, in the module.
+pub fn istio_chart() -> String {
+    let chart = istio_moddir().join("manifests/charts/istio-cni");
+    assert!(
+        chart.join("Chart.yaml").is_file(),
+        "no Istio cni chart at {}",
+        chart.display()
+    );
+    chart.to_str().unwrap().to_string()
+}
+
+/// Istio's plugin binary as built from the pin (`tools/istio/build.sh`; cached, so instant after
+/// `scripts/node-images` built Istio's image).
+pub fn istio_plugin_binary() -> Vec<u8> {
+    let out = Command::new(repo().join("tools/istio/build.sh"))
+        .args(["install-cni", "istio-cni"])
+        .output()
+        .expect("tools/istio/build.sh");
+    assert!(out.status.success(), "tools/istio/build.sh failed");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let dir = stdout.lines().last().expect("the cache dir").trim();
+    std::fs::read(Path::new(dir).join("istio-cni")).expect("Istio's istio-cni")
+}
+
+/// The helm arguments after `<release> <chart>` for either chart on the real node, with the
+/// iptables backend: the same values file as ours (`deploy/node/values-real-node.yaml`: paths,
+/// host network, pull policy), Istio's `ambient` profile and, for Istio's, Istio's hub.
+pub fn values_args(istio: bool) -> Vec<String> {
+    let mut args: Vec<String> = ["-n", "istio-system", "-f"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(repo_path(VALUES));
+    args.extend(
+        [
+            "--set",
+            "profile=ambient",
+            "--set",
+            "global.nativeNftables=false",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    if istio {
+        args.extend(["--set".to_string(), format!("global.hub={ISTIO_HUB}")]);
+    }
+    args
+}
+
+/// `helm <verb> istio-cni <chart>` with [`values_args`], then waits for the rollout.
+pub async fn helm_cni(node: &RealNode, verb: &str, istio: bool) {
+    let chart = if istio {
+        istio_chart()
+    } else {
+        repo_path(crate::real_node::CHART)
+    };
+    let mut args = vec![verb.to_string(), "istio-cni".into(), chart];
+    if verb == "install" {
+        args.push("--create-namespace".into());
+    }
+    args.extend(values_args(istio));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    node.helm(&args);
+    node.rollout("istio-cni-node").await;
+}
+
+/// The ztunnel-like peer (`deploy/node/ztunnel-peer.yaml`), rolled out.
+pub async fn install_peer(node: &RealNode) {
+    node.kubectl(&["apply", "-f", &repo_path(PEER)]);
+    node.rollout("ztunnel").await;
+}
+
+/// The image of the agent's DaemonSet as it is now.
+pub fn agent_image(node: &RealNode) -> String {
+    node.kubectl(&[
+        "-n",
+        "istio-system",
+        "get",
+        "ds",
+        "istio-cni-node",
+        "-o",
+        "jsonpath={.spec.template.spec.containers[0].image}",
+    ])
+}
+
+/// The current agent pod's log.
+pub fn agent_log(node: &RealNode) -> String {
+    let out = node.try_script(&[
+        "kubectl",
+        "-n",
+        "istio-system",
+        "logs",
+        "ds/istio-cni-node",
+        "--tail=-1",
+    ]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub async fn create(node: &RealNode, ns: &str, pod: Value) -> String {
+    let pod: Pod = serde_json::from_value(pod).unwrap();
+    let created = Api::<Pod>::namespaced(node.client(), ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+    created.metadata.uid.unwrap()
+}
+
+pub async fn get(node: &RealNode, ns: &str, name: &str) -> Option<Pod> {
+    Api::<Pod>::namespaced(node.client(), ns)
+        .get_opt(name)
+        .await
+        .unwrap()
+}
+
+pub async fn wait_running(node: &RealNode, ns: &str, name: &str) -> Pod {
+    node.eventually(
+        &format!("pod {ns}/{name} Running"),
+        Duration::from_secs(90),
+        || async {
+            get(node, ns, name)
+                .await
+                .filter(|p| running(p) && p.status.as_ref().unwrap().pod_ip.is_some())
+        },
+    )
+    .await
+}
+
+pub async fn wait_redirection(node: &RealNode, ns: &str, name: &str, want: Option<&str>) {
+    node.eventually(
+        &format!("{ns}/{name} redirection {want:?}"),
+        Duration::from_secs(60),
+        || async {
+            let p = get(node, ns, name).await?;
+            (annotation(&p, REDIRECTION).as_deref() == want).then_some(())
+        },
+    )
+    .await
+}
+
+/// What the current container of `name` printed first: `REDIRECTED` or `DIRECT`.
+pub fn witness(node: &RealNode, ns: &str, name: &str) -> String {
+    let logs = node.kubectl(&["-n", ns, "logs", name, "-c", "app"]);
+    logs.lines()
+        .rfind(|l| *l == "REDIRECTED" || *l == "DIRECT")
+        .unwrap_or_else(|| panic!("{ns}/{name} printed no witness: {logs:?}"))
+        .to_string()
+}
+
+/// The witness again, now, in the running pod (`kubectl exec`): whether its outbound still lands
+/// on a proxy listener.
+pub fn redirected_now(node: &RealNode, ns: &str, name: &str) -> bool {
+    let out = node.kubectl(&[
+        "-n",
+        ns,
+        "exec",
+        name,
+        "-c",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        crate::real_node::WITNESS,
+    ]);
+    match out.trim() {
+        "REDIRECTED" => true,
+        "DIRECT" => false,
+        other => panic!("{ns}/{name}: no witness in {other:?}"),
+    }
+}
+
+/// The peer's workloads: pod UID → proxied connections.
+pub fn peer_workloads(node: &RealNode) -> std::collections::BTreeMap<String, u64> {
+    let Some(st) = node.peer_status() else {
+        return Default::default();
+    };
+    st["workloads"]
+        .as_object()
+        .map(|w| {
+            w.iter()
+                .map(|(uid, v)| (uid.clone(), v["connections"].as_u64().unwrap_or_default()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+pub async fn wait_peer_has(node: &RealNode, uid: &str, present: bool) {
+    node.eventually(
+        &format!("peer has {uid}: {present}"),
+        Duration::from_secs(60),
+        || async { (peer_workloads(node).contains_key(uid) == present).then_some(()) },
+    )
+    .await
+}
+
+/// `cmd args` from this machine's tools in network namespace `netns`; panics on failure.
+pub fn netns_exec(netns: &Path, cmd: &str, args: &[&str]) -> String {
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("nsenter {cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} in {} failed: {}",
+        netns.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The iptables rules of a network namespace, in each variant.
+#[derive(Debug)]
+pub struct Rules {
+    pub nft: String,
+    pub legacy: String,
+}
+
+impl Rules {
+    pub fn of(netns: &Path) -> Self {
+        Rules {
+            nft: normalized(&netns_exec(netns, "iptables-nft-save", &[])),
+            legacy: normalized(&netns_exec(netns, "iptables-legacy-save", &[])),
+        }
+    }
+}
+
+/// iptables-save output without its comments and counters: the rules themselves.
+pub fn normalized(save: &str) -> String {
+    save.lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| match (l.starts_with(':'), l.rfind(" [")) {
+            (true, Some(i)) => &l[..i],
+            _ => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The rules of pod `uid`'s network namespace.
+pub fn pod_rules(node: &RealNode, uid: &str) -> Rules {
+    let netns = node
+        .pod_netns(uid)
+        .unwrap_or_else(|| panic!("no process of pod {uid} on the node"));
+    Rules::of(&netns)
+}
+
+/// The rules of the node's own network namespace (the agents' host rules, kubelet's chains).
+pub fn node_rules(node: &RealNode) -> Rules {
+    Rules::of(Path::new(&format!("/proc/{}/ns/net", node.holder_pid())))
+}
+
+/// Makes the node a legacy-iptables one, as a distribution defaulting to legacy would have it:
+/// the node's `iptables`/`ip6tables` alternatives set to legacy (in its own `/etc` and
+/// `/var/lib`, not the machine's), kubelet's nft chains removed from the node's namespace, and
+/// kubelet restarted, which writes its `KUBE-IPTABLES-HINT` and canaries with legacy.
+pub async fn make_node_legacy(node: &RealNode) {
+    node.script(&[
+        "exec",
+        "sh",
+        "-c",
+        "update-alternatives --set iptables /usr/sbin/iptables-legacy >/dev/null && \
+         update-alternatives --set ip6tables /usr/sbin/ip6tables-legacy >/dev/null",
+    ]);
+    let netns = PathBuf::from(format!("/proc/{}/ns/net", node.holder_pid()));
+    let tables = netns_exec(&netns, "nft", &["list", "tables"]);
+    for t in tables.lines() {
+        let words: Vec<&str> = t.split_whitespace().collect();
+        if let ["table", family, name] = words[..] {
+            netns_exec(&netns, "nft", &["delete", "table", family, name]);
+        }
+    }
+    node.restart("kubelet").await;
+    node.eventually(
+        "kubelet's iptables hint in legacy",
+        Duration::from_secs(30),
+        || async {
+            node_rules(node)
+                .legacy
+                .contains(":KUBE-IPTABLES-HINT")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(!node_rules(node).nft.contains("KUBE-"));
+}
