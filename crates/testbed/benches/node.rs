@@ -390,10 +390,11 @@ async fn main() {
         .and_then(|r| r.parse().ok())
         .unwrap_or(if istio_bin.is_some() { 3 } else { 1 });
     let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    let mut istio_failed: Option<String> = None;
     for round in 1..=rounds {
         // Alternate which agent goes first, so a drift in the machine's load hits both alike.
         let mut order = vec![Agent::Ours];
-        if let Some(bin) = &istio_bin {
+        if let Some(bin) = istio_bin.as_ref().filter(|_| istio_failed.is_none()) {
             order.push(Agent::Istio(bin.clone()));
             if round % 2 == 0 {
                 order.reverse();
@@ -412,8 +413,15 @@ async fn main() {
                 if istio { "Istio's" } else { "our" },
                 load()
             );
-            let figures = run(agent).await;
-            if istio { &mut theirs } else { &mut ours }.push(figures);
+            // A failing setup of Istio's agent ends its rounds, not the bench.
+            match tokio::spawn(run(agent)).await {
+                Ok(figures) => if istio { &mut theirs } else { &mut ours }.push(figures),
+                Err(e) if istio => {
+                    eprintln!("Istio's agent failed this round: {e}");
+                    istio_failed = Some(e.to_string());
+                }
+                Err(e) => panic!("our agent's run failed: {e}"),
+            }
         }
     }
     eprintln!("done (load {})", load());
@@ -430,6 +438,9 @@ async fn main() {
         println!();
         println!("| measurement | result |");
         println!("|---|---|");
+    }
+    if let Some(why) = &istio_failed {
+        println!("Istio's agent failed (see stderr): {why}");
     }
     if ours.is_empty() || (istio_bin.is_some() && theirs.is_empty()) {
         // One side only (BENCH_ONLY): print it alone.

@@ -8,8 +8,10 @@
 //! those as volumes; here a private mount namespace does: a tmpfs root made of bind mounts of the
 //! machine's own directories, plus the node's temp dirs at Istio's paths, and `chroot` into it.
 //! Nothing is mounted in the machine's namespace and nothing is written outside the node's temp
-//! dir. Its run dir (`CNI_AGENT_RUN_DIR`) is a hostPath in the chart, seen at the same path by the
-//! plugin; here it is the node's `run` dir, at the same path on both sides.
+//! dir: the namespace is a slave of the machine's, so pods' namespaces mounted under
+//! `/var/run/netns` later reach it (the chart's `HostToContainer`) and nothing goes back. Its run
+//! dir (`CNI_AGENT_RUN_DIR`) is a hostPath in the chart, seen at the same path by the plugin;
+//! here it is the node's `run` dir, at the same path on both sides.
 //!
 //! Network: the agent runs inside the node's network namespace, like the chart's
 //! `ambient.shareHostNetworkNamespace: true` (host network, no `ALLOW_SWITCH_TO_HOST_NS`), so its
@@ -58,6 +60,9 @@ bind "$d/bin" "$root/host/opt/cni/bin"
 bind "$d/net.d" "$root/host/etc/cni/net.d"
 mkdir -p "$root/host/proc" && mount -t proc proc "$root/host/proc"
 mkdir -p "$root/host/var/run/netns" && mount --rbind /var/run/netns "$root/host/var/run/netns"
+# The node's kubelet, for the nftables host rule that matches its UID (a copy of sleep the kit
+# made); it dies with this PID namespace.
+if [ -x "$d/kubelet" ]; then "$d/kubelet" infinity & fi
 exec chroot "$root" "$agent" "$@"
 "#;
 
@@ -73,7 +78,7 @@ pub fn command(istio_bin: &Path, node_dir: &Path, node_netns: &Path) -> Command 
             "--pid",
             "--kill-child",
             "--propagation",
-            "private",
+            "slave",
         ])
         .args(["sh", "-c", LAUNCH, "istio-agent"])
         .arg(node_dir)
