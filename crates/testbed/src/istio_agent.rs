@@ -102,9 +102,27 @@ pub const NOT_ISTIOS: &[&str] = &[
     "DRIFT_CHECK_INTERVAL_SECONDS",
 ];
 
-/// What Istio's DaemonSet sets besides the chart's ConfigMap (`REPAIR_*`, `POD_NAME`).
+/// The chart's default `ambient.enablementSelectors` as its ConfigMap renders them (`toYaml`):
+/// without it Istio's plugin and agent select no pod at all.
+const ENABLEMENT_SELECTOR: &str = "- podSelector:
+    matchLabels:
+      istio.io/dataplane-mode: ambient
+- namespaceSelector:
+    matchLabels:
+      istio.io/dataplane-mode: ambient
+  podSelector:
+    matchExpressions:
+    - key: istio.io/dataplane-mode
+      operator: NotIn
+      values:
+      - none
+";
+
+/// What Istio's DaemonSet sets besides our agent's variables: the chart ConfigMap's enablement
+/// selectors, `REPAIR_*`, `POD_NAME`.
 pub fn daemonset_env(node_name: &str) -> Vec<(String, String)> {
     [
+        ("AMBIENT_ENABLEMENT_SELECTOR", ENABLEMENT_SELECTOR),
         ("REPAIR_NODE_NAME", node_name),
         ("REPAIR_RUN_AS_DAEMON", "true"),
         ("REPAIR_SIDECAR_ANNOTATION", "sidecar.istio.io/status"),
