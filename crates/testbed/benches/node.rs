@@ -236,7 +236,6 @@ async fn run(agent: Agent) -> Figures {
             ))
         }
     };
-    let snapshot_after_restart = ms(started.elapsed());
     drop(node);
 
     let mut out: Figures = Vec::new();
@@ -332,13 +331,6 @@ async fn run(agent: Agent) -> Figures {
         "ms",
         restart,
     );
-    if let Some((_, _, Figure::NotApplicable(_))) = out.last() {
-        out.push((
-            "agent restart → the peer's new snapshot complete (pods kept, not re-handed)".into(),
-            "ms",
-            Figure::Value(snapshot_after_restart),
-        ));
-    }
     out
 }
 
@@ -456,8 +448,8 @@ async fn main() {
             println!("| {what} | {ours_cell} |");
             continue;
         }
-        // Rows only one side has (the restart fallback) are matched by name.
-        let theirs_row = theirs[0].iter().position(|(w, _, _)| w == what);
+        // Both runs print the same rows in the same order (some share a name).
+        let theirs_row = (theirs[0].get(row).map(|(w, _, _)| w) == Some(what)).then_some(row);
         let (t, theirs_cell) = match theirs_row {
             Some(r) => cell(&theirs, r, unit),
             None => (None, "n/a".into()),
@@ -467,13 +459,5 @@ async fn main() {
             _ => "n/a".into(),
         };
         println!("| {what} | {theirs_cell} | {ours_cell} | {ratio} |");
-    }
-    if istio_bin.is_some() {
-        for (what, unit, _) in &theirs[0] {
-            if !ours[0].iter().any(|(w, _, _)| w == what) {
-                let r = theirs[0].iter().position(|(w, _, _)| w == what).unwrap();
-                println!("| {what} | {} | n/a | n/a |", cell(&theirs, r, unit).1);
-            }
-        }
     }
 }
