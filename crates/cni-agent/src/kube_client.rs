@@ -27,6 +27,12 @@ pub const ISTIO_RATE_LIMIT: RateLimit = RateLimit {
     burst: 160,
 };
 
+/// Requests waiting for their response headers at once. The client speaks HTTP/1.1, one request
+/// per connection at a time, and keeps idle connections for 90 s: 100 CNI ADDs at once opened 100
+/// TLS connections to the API server (a handshake each, on both sides) and kept their buffers
+/// for 90 s. A watch holds its slot only until its headers arrive, not while it streams.
+pub const MAX_IN_FLIGHT: usize = 8;
+
 /// A client for `config` with our User-Agent and `limit`. The limit is a window of `burst`
 /// requests per `burst / qps` seconds: the same average and the same largest burst as client-go's
 /// token bucket.
@@ -43,7 +49,11 @@ pub fn build(mut config: kube::Config, limit: RateLimit) -> Result<kube::Client,
         .push((USER_AGENT, HeaderValue::from_static(AGENT_USER_AGENT)));
     let window = Duration::from_secs_f64(f64::from(limit.burst) / f64::from(limit.qps.max(1)));
     let layer = tower::limit::RateLimitLayer::new(u64::from(limit.burst.max(1)), window);
-    Ok(ClientBuilder::try_from(config)?.with_layer(&layer).build())
+    let in_flight = tower::limit::ConcurrencyLimitLayer::new(MAX_IN_FLIGHT);
+    Ok(ClientBuilder::try_from(config)?
+        .with_layer(&layer)
+        .with_layer(&in_flight)
+        .build())
 }
 
 /// The in-cluster (or `KUBECONFIG`) client the agent uses.

@@ -1,17 +1,30 @@
-//! Node-level benchmarks (root): ambient CNI ADD end to end — our plugin's exec until it prints
+//! Node-level benchmarks (root): ambient CNI ADD end to end — the plugin's exec until it prints
 //! its result (the agent's lookup, netns, rules, ZDS ack, probe set and `pods/status` patch inside
 //! it), alone and 100 at once, with the whole runtime-side chain and non-mesh pods as baselines —
 //! agent memory idle and with 250 enrolled pods, and agent restart → every pod handed to ztunnel
 //! again. Uses the e2e kit against a real kube-apiserver; binaries must be built in release
 //! first: `cargo build --release --workspace --bins`.
+//!
 //! Run: `cargo bench -p testbed --bench node`. Prints one markdown table for BENCHMARKS.md.
+//!
+//! With `ISTIO_BIN` (a directory holding Istio's `install-cni` and `istio-cni`, as
+//! `tools/istio/build.sh install-cni istio-cni` prints it) the same bench runs on Istio's agent
+//! and plugin too, alternating with ours for `BENCH_ROUNDS` rounds (default 3), each round on a
+//! fresh node and API server, and the table has a column per agent (the median over the rounds)
+//! and their ratio. `scripts/bench-node --against-istio` does that.
 
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
+use kube::api::{Patch, PatchParams};
+use serde_json::json;
 
-use testbed::node::{Backend, TestNode, TestPod, plugin_binary};
+use testbed::kube::KubeTestEnv;
+use testbed::node::{Agent, Backend, NodeOptions, TestNode, TestPod, plugin_binary};
 use testbed::zds_peer::{PeerConfig, ZdsPeer};
+
+/// How long a restarted agent gets to hand every pod over again.
+const RESTART_WAIT: Duration = Duration::from_secs(30);
 
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
 
@@ -38,15 +51,28 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-/// Pods added one at a time. Each ADD runs the primary plugins first, then our plugin with their
-/// result, timed apart: (pods, whole chain, our plugin's exec → result), both sorted.
+/// One measurement of one run: a number in `unit`, or why this agent cannot be measured so.
+#[derive(Clone)]
+enum Figure {
+    Value(f64),
+    NotApplicable(String),
+}
+
+/// The measurements of one run, in table order: (what, unit, figure).
+type Figures = Vec<(String, &'static str, Figure)>;
+
+/// Pods added one at a time. Each ADD runs the primary plugins first, then the plugin under test
+/// with their result, timed apart; then the bench patches the pod's status itself, timed, the
+/// same annotation merge patch on `pods/status` the agent makes (the floor under an ambient
+/// ADD). Returns (pods, whole chain, plugin exec → result, status patch), all sorted.
 async fn add_one_by_one(
     node: &TestNode,
     namespace: &str,
     prefix: &str,
     n: usize,
-) -> (Vec<TestPod>, Vec<Duration>, Vec<Duration>) {
-    let (mut pods, mut chain, mut ours) = (Vec::new(), Vec::new(), Vec::new());
+) -> (Vec<TestPod>, Vec<Duration>, Vec<Duration>, Vec<Duration>) {
+    let (mut pods, mut chain, mut ours, mut patches) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..n {
         let mut pod = node
             .create_pod_object(namespace, &format!("{prefix}-{i}"), &[])
@@ -60,16 +86,25 @@ async fn add_one_by_one(
             .unwrap_or_else(|e| panic!("ADD failed: {e}\n{}", node.agent_log()));
         ours.push(plugin_started.elapsed());
         chain.push(started.elapsed());
+        let patch =
+            json!({"metadata": {"annotations": {"bench.istio-cni-rs/patch": i.to_string()}}});
+        let patch_started = Instant::now();
+        node.pods(namespace)
+            .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .expect("status patch");
+        patches.push(patch_started.elapsed());
         node.report_running(&mut pod, &result).await;
         pods.push(pod);
     }
     chain.sort();
     ours.sort();
-    (pods, chain, ours)
+    patches.sort();
+    (pods, chain, ours, patches)
 }
 
 /// `n` pods whose sandboxes are added all at once. `whole`: time the whole chain of every pod;
-/// otherwise the primary plugins run first, untimed, and only our plugin's execs are timed.
+/// otherwise the primary plugins run first, untimed, and only the plugin's execs are timed.
 async fn add_at_once(
     node: &TestNode,
     namespace: &str,
@@ -112,34 +147,35 @@ async fn add_at_once(
     (pods, took)
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("node benchmarks need root; skipped");
-        return;
-    }
-    let mut node = TestNode::start(Backend::Nftables).await;
+/// The whole bench on a fresh node running `agent`.
+async fn run(agent: Agent) -> Figures {
+    let istio = matches!(agent, Agent::Istio(_));
+    let options = NodeOptions {
+        agent,
+        ..NodeOptions::default()
+    };
+    let mut node = TestNode::start_on(KubeTestEnv::start().await, Backend::Nftables, options).await;
     let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
     cfg.max_backoff = Duration::from_millis(50);
     let peer = ZdsPeer::start(cfg);
-    peer.wait_for("snapshot", Duration::from_secs(10), |s| s.snapshot_received)
+    peer.wait_for("snapshot", Duration::from_secs(30), |s| s.snapshot_received)
         .await
-        .unwrap();
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
     node.create_namespace("bench", &[AMBIENT]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let idle = node.agent_memory_kib("VmRSS").unwrap_or(0);
 
-    // Baseline: the same chain for pods that are not ambient (our plugin asks the agent and
-    // passes the result through), so the ambient cost can be told apart from the chain's.
+    // Baseline: the same chain for pods that are not ambient (the plugin finds out and passes
+    // the result through), so the ambient cost can be told apart from the chain's.
     node.create_namespace("plain", &[]).await;
-    let (_, plain_chain, plain_ours) = add_one_by_one(&node, "plain", "plain", 20).await;
+    let (_, plain_chain, plain_ours, _) = add_one_by_one(&node, "plain", "plain", 20).await;
     let (_, plain_burst) = add_at_once(&node, "plain", "plain-burst", 100, false).await;
     let (_, plain_burst_chain) = add_at_once(&node, "plain", "plain-chain", 100, true).await;
 
     // The first ambient ADD after the agent started pays one-time costs (its first connection
     // for writes to the API server, first rules in a pod); reported on its own.
-    let (first_pod, _, first) = add_one_by_one(&node, "bench", "first", 1).await;
-    let (mut pods, chain, ours) = add_one_by_one(&node, "bench", "seq", 49).await;
+    let (first_pod, _, first, _) = add_one_by_one(&node, "bench", "first", 1).await;
+    let (mut pods, chain, ours, patches) = add_one_by_one(&node, "bench", "seq", 49).await;
     pods.extend(first_pod);
     let sequential_metrics = node.metrics();
 
@@ -151,32 +187,62 @@ async fn main() {
     for pod in &pods {
         node.wait_redirection(pod, Some("enabled")).await;
     }
-    // Steady state: past the agent's periodic heap trim (every 10 s), like a node between
+    // Steady state: past our agent's periodic heap trim (every 10 s), like a node between
     // rollouts; the peak during the bursts is reported as well.
     tokio::time::sleep(Duration::from_secs(12)).await;
     let mem = |field| node.agent_memory_kib(field).unwrap_or(0) as f64 / 1024.0;
     let (loaded, peak, anon, file) = (mem("VmRSS"), mem("VmHWM"), mem("RssAnon"), mem("RssFile"));
     let metrics = node.metrics();
 
-    // Restart: kill -9, start, until the peer holds every pod again with its own namespace.
-    let connects = peer.status().connects;
+    // Restart: kill -9, start, until the peer holds every pod again, each handed over with its
+    // namespace (an Add) in the new connection's snapshot.
+    let before = peer.status();
+    let (connects, log_len) = (before.connects, before.log.len());
     node.kill_agent();
     let started = Instant::now();
     node.start_agent();
     let n = pods.len();
-    peer.wait_for("all pods re-handed", Duration::from_secs(60), |s| {
-        s.connects > connects && s.snapshot_received && s.workloads.len() == n
-    })
-    .await
-    .unwrap();
-    let restart = started.elapsed();
+    let adds = |s: &testbed::zds_peer::PeerStatus| {
+        s.log[log_len.min(s.log.len())..]
+            .iter()
+            .filter(|e| e.starts_with("add "))
+            .count()
+    };
+    let restarted = peer
+        .wait_for("all pods re-handed", RESTART_WAIT, |s| {
+            s.connects > connects && s.snapshot_received && s.workloads.len() == n && adds(s) == n
+        })
+        .await;
+    let restart = match restarted {
+        Ok(_) => Figure::Value(ms(started.elapsed())),
+        Err(_) => {
+            let s = peer.status();
+            let keeps = s.log[log_len.min(s.log.len())..]
+                .iter()
+                .filter(|e| e.starts_with("keep "))
+                .count();
+            Figure::NotApplicable(format!(
+                "after {}s the new connection's snapshot had handed {} of {n} pods over with \
+                 their namespace ({keeps} kept without one){}",
+                RESTART_WAIT.as_secs(),
+                adds(&s),
+                if istio {
+                    ": Istio finds a running pod's namespace only through a process in the \
+                     pod's cgroup (`/host/proc/*/cgroup` naming the pod UID); the emulated \
+                     pods are namespaces without processes"
+                } else {
+                    ""
+                }
+            ))
+        }
+    };
+    drop(node);
 
-    println!("| measurement | result |");
-    println!("|---|---|");
-    println!("| our plugin binary | {} |", plugin_binary().display());
+    let mut out: Figures = Vec::new();
+    let mut push = |what: String, unit, f| out.push((what, unit, f));
     for (what, times) in [
         (
-            "ambient CNI ADD, our plugin exec → result, one at a time, n=49",
+            "ambient CNI ADD, plugin exec → result, one at a time, n=49",
             &ours,
         ),
         ("the same for a non-mesh pod (baseline), n=20", &plain_ours),
@@ -185,27 +251,33 @@ async fn main() {
             &chain,
         ),
         ("the same for a non-mesh pod (baseline), n=20", &plain_chain),
+        (
+            "`pods/status` annotation patch by the bench itself (the floor of an ambient ADD), n=49",
+            &patches,
+        ),
     ] {
-        println!(
-            "| {what} | p50 {:.1} ms, p99 {:.1} ms |",
-            pct(times, 0.5),
-            pct(times, 0.99)
+        push(format!("{what}: p50"), "ms", Figure::Value(pct(times, 0.5)));
+        push(
+            format!("{what}: p99"),
+            "ms",
+            Figure::Value(pct(times, 0.99)),
         );
     }
-    println!(
-        "| the first ambient CNI ADD after the agent started (our plugin) | {:.1} ms |",
-        ms(first[0])
+    push(
+        "the first ambient CNI ADD after the agent started (plugin exec)".into(),
+        "ms",
+        Figure::Value(ms(first[0])),
     );
     for (what, took) in [
         (
-            "100 ambient CNI ADDs at once (our plugin's execs), all done",
+            "100 ambient CNI ADDs at once (plugin execs), all done",
             burst,
         ),
         ("the same for non-mesh pods (baseline)", plain_burst),
         ("100 ambient whole chains at once, all done", burst_chain),
         ("the same for non-mesh pods (baseline)", plain_burst_chain),
     ] {
-        println!("| {what} | {:.0} ms |", ms(took));
+        push(what.into(), "ms", Figure::Value(ms(took)));
     }
     for (phase, m) in [
         ("one at a time", &sequential_metrics),
@@ -223,18 +295,169 @@ async fn main() {
             ),
             ("ZDS Add → ack", "istio_cni_zds_ack_duration_seconds"),
         ] {
-            if let Some(ms) = mean_ms(m, metric) {
-                println!("| stage mean ({phase}): {label} | {ms:.2} ms |");
+            let f = match mean_ms(m, metric) {
+                Some(v) => Figure::Value(v),
+                None if istio => {
+                    Figure::NotApplicable("Istio's agent exports no histogram of this stage".into())
+                }
+                None => Figure::NotApplicable(format!("no {metric} in /metrics")),
+            };
+            push(format!("stage mean ({phase}): {label}"), "ms", f);
+        }
+    }
+    push(
+        "agent RSS idle".into(),
+        "MiB",
+        Figure::Value(idle as f64 / 1024.0),
+    );
+    push(
+        format!("agent RSS with {n} enrolled + 220 non-mesh pods, steady"),
+        "MiB",
+        Figure::Value(loaded),
+    );
+    push("… of it anonymous".into(), "MiB", Figure::Value(anon));
+    push(
+        "… of it file-backed (code)".into(),
+        "MiB",
+        Figure::Value(file),
+    );
+    push(
+        "agent peak RSS (bursts included)".into(),
+        "MiB",
+        Figure::Value(peak),
+    );
+    push(
+        format!("agent restart (kill -9) → {n} pods re-verified and re-handed to the peer"),
+        "ms",
+        restart,
+    );
+    out
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
+/// One cell: the median over the rounds (and every round's value), or n/a.
+fn cell(runs: &[Figures], row: usize, unit: &str) -> (Option<f64>, String) {
+    let mut values = Vec::new();
+    for r in runs {
+        match &r[row].2 {
+            Figure::Value(v) => values.push(*v),
+            Figure::NotApplicable(why) => return (None, format!("n/a: {why}")),
+        }
+    }
+    let all = values
+        .iter()
+        .map(|v| format!("{v:.1}"))
+        .collect::<Vec<_>>()
+        .join(" / ");
+    let m = median(&mut values);
+    if runs.len() > 1 {
+        (Some(m), format!("**{m:.1} {unit}** ({all})"))
+    } else {
+        (Some(m), format!("{m:.1} {unit}"))
+    }
+}
+
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("node benchmarks need root; skipped");
+        return;
+    }
+    let istio_bin = testbed::istio_agent::istio_bin();
+    let rounds: usize = std::env::var("BENCH_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(if istio_bin.is_some() { 3 } else { 1 });
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    let mut istio_failed: Option<String> = None;
+    for round in 1..=rounds {
+        // Alternate which agent goes first, so a drift in the machine's load hits both alike.
+        let mut order = vec![Agent::Ours];
+        if let Some(bin) = istio_bin.as_ref().filter(|_| istio_failed.is_none()) {
+            order.push(Agent::Istio(bin.clone()));
+            if round % 2 == 0 {
+                order.reverse();
+            }
+        }
+        // `BENCH_ONLY=istio` or `ours`: one agent (to debug a setup).
+        match std::env::var("BENCH_ONLY").as_deref() {
+            Ok("istio") => order.retain(|a| matches!(a, Agent::Istio(_))),
+            Ok("ours") => order.retain(|a| matches!(a, Agent::Ours)),
+            _ => {}
+        }
+        for agent in order {
+            let istio = matches!(agent, Agent::Istio(_));
+            eprintln!(
+                "round {round}/{rounds}: {} agent (load {})",
+                if istio { "Istio's" } else { "our" },
+                load()
+            );
+            // A failing setup of Istio's agent ends its rounds, not the bench.
+            match tokio::spawn(run(agent)).await {
+                Ok(figures) => if istio { &mut theirs } else { &mut ours }.push(figures),
+                Err(e) if istio => {
+                    eprintln!("Istio's agent failed this round: {e}");
+                    istio_failed = Some(e.to_string());
+                }
+                Err(e) => panic!("our agent's run failed: {e}"),
             }
         }
     }
-    println!("| agent RSS idle | {:.1} MiB |", idle as f64 / 1024.0);
-    println!(
-        "| agent RSS with {n} enrolled pods, steady | {loaded:.1} MiB ({anon:.1} anonymous, {file:.1} file-backed: code) |"
-    );
-    println!("| agent peak RSS (bursts included) | {peak:.1} MiB |");
-    println!(
-        "| agent restart → {n} pods re-verified and re-handed to ztunnel | {:.0} ms |",
-        ms(restart)
-    );
+    eprintln!("done (load {})", load());
+
+    println!("our plugin: {}", plugin_binary().display());
+    if let Some(bin) = &istio_bin {
+        println!("Istio's agent and plugin: {}", bin.display());
+        println!();
+        println!(
+            "| measurement (median of {rounds}, every round in brackets) | Istio | ours | ours ÷ Istio |"
+        );
+        println!("|---|---|---|---|");
+    } else {
+        println!();
+        println!("| measurement | result |");
+        println!("|---|---|");
+    }
+    if let Some(why) = &istio_failed {
+        println!("Istio's agent failed (see stderr): {why}");
+    }
+    if ours.is_empty() || (istio_bin.is_some() && theirs.is_empty()) {
+        // One side only (BENCH_ONLY): print it alone.
+        let only = if ours.is_empty() { &theirs } else { &ours };
+        for (row, (what, unit, _)) in only[0].iter().enumerate() {
+            println!("| {what} | {} |", cell(only, row, unit).1);
+        }
+        return;
+    }
+    for (row, (what, unit, _)) in ours[0].iter().enumerate() {
+        let (o, ours_cell) = cell(&ours, row, unit);
+        if istio_bin.is_none() {
+            println!("| {what} | {ours_cell} |");
+            continue;
+        }
+        // Both runs print the same rows in the same order (some share a name).
+        let theirs_row = (theirs[0].get(row).map(|(w, _, _)| w) == Some(what)).then_some(row);
+        let (t, theirs_cell) = match theirs_row {
+            Some(r) => cell(&theirs, r, unit),
+            None => (None, "n/a".into()),
+        };
+        let ratio = match (o, t) {
+            (Some(o), Some(t)) if t > 0.0 => format!("{:.2}", o / t),
+            _ => "n/a".into(),
+        };
+        println!("| {what} | {theirs_cell} | {ours_cell} | {ratio} |");
+    }
 }

@@ -68,6 +68,20 @@ pub struct NodeOptions {
     /// Mount a tmpfs of this many bytes on the agent's run dir, so a test can fill it (disk
     /// full). Only inside a private mount namespace the caller made: never on the host's.
     pub run_dir_tmpfs: Option<u64>,
+    /// Whose agent runs on the node.
+    pub agent: Agent,
+}
+
+/// The node agent the kit starts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Agent {
+    /// Our `install-cni` (this build's).
+    #[default]
+    Ours,
+    /// Istio's `install-cni` from this directory (`tools/istio/build.sh install-cni istio-cni`),
+    /// started as its DaemonSet would be (see [`crate::istio_agent`]); it installs Istio's
+    /// `istio-cni` from the same directory.
+    Istio(PathBuf),
 }
 
 impl Default for NodeOptions {
@@ -76,6 +90,7 @@ impl Default for NodeOptions {
             identity: Identity::Admin,
             api_port: None,
             run_dir_tmpfs: None,
+            agent: Agent::Ours,
         }
     }
 }
@@ -135,6 +150,8 @@ pub struct TestNode {
     /// server's own).
     pub api_port: u16,
     run_dir_tmpfs: bool,
+    /// Whose agent [`start_agent`](Self::start_agent) starts.
+    pub agent_kind: Agent,
     agent: Option<Child>,
     kubelet: Option<Child>,
     api_forwarder: std::net::TcpListener,
@@ -249,7 +266,12 @@ impl TestNode {
             )
             .unwrap();
         }
-        std::fs::copy(plugin_binary(), d.join("src-bin/istio-cni")).unwrap();
+        // Each agent installs its own plugin.
+        let plugin = match &options.agent {
+            Agent::Ours => plugin_binary(),
+            Agent::Istio(bin) => bin.join("istio-cni"),
+        };
+        std::fs::copy(plugin, d.join("src-bin/istio-cni")).unwrap();
         std::fs::write(d.join("sa/token"), &token).unwrap();
         std::fs::write(d.join("sa/ca.crt"), kube.ca_pem()).unwrap();
         let api_port = options.api_port.unwrap_or(kube.port());
@@ -281,14 +303,19 @@ impl TestNode {
 
         let node_netns = TestNetns::new("node");
         let api_forwarder = forward_loopback(&node_netns, api_port);
+        let health_port = match options.agent {
+            Agent::Ours => free_port(),
+            Agent::Istio(_) => crate::istio_agent::READINESS_PORT,
+        };
         let mut node = TestNode {
+            agent_kind: options.agent,
             kube,
             api_port,
             run_dir_tmpfs: options.run_dir_tmpfs.is_some(),
             node_netns,
             api_forwarder,
             node_name: format!("node-{}", std::process::id()),
-            health_port: free_port(),
+            health_port,
             metrics_port: free_port(),
             backend,
             extra_env: Vec::new(),
@@ -365,18 +392,36 @@ impl TestNode {
         let level = std::env::var("AGENT_LOG_LEVEL").unwrap_or_else(|_| "info".into());
         // `AGENT_WRAPPER="heaptrack -o /tmp/agent"` (or perf, valgrind...) runs the agent under a
         // profiler; memory readings are then the wrapper's.
-        let agent = binary_dir().join("install-cni");
-        let wrapper = std::env::var("AGENT_WRAPPER").unwrap_or_default();
-        let mut argv: Vec<std::ffi::OsString> =
-            wrapper.split_whitespace().map(Into::into).collect();
-        argv.push(agent.into());
-        let child = Command::new(&argv[0])
-            .args(&argv[1..])
+        let mut command = match &self.agent_kind {
+            Agent::Ours => {
+                let agent = binary_dir().join("install-cni");
+                let wrapper = std::env::var("AGENT_WRAPPER").unwrap_or_default();
+                let mut argv: Vec<std::ffi::OsString> =
+                    wrapper.split_whitespace().map(Into::into).collect();
+                argv.push(agent.into());
+                let mut c = Command::new(&argv[0]);
+                c.args(&argv[1..]);
+                c
+            }
+            Agent::Istio(bin) => {
+                crate::istio_agent::command(bin, self.dir.path(), &self.node_netns.path())
+            }
+        };
+        let mut env = self.agent_env();
+        if let Agent::Istio(_) = self.agent_kind {
+            env.retain(|(k, _)| !crate::istio_agent::NOT_ISTIOS.contains(&k.as_str()));
+            env.extend(crate::istio_agent::daemonset_env(&self.node_name));
+        }
+        let child = command
             .arg(format!("--log_output_level={level}"))
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .envs(self.agent_env())
-            .stdout(Stdio::null())
+            .envs(env)
+            .stdout(match self.agent_kind {
+                // Istio logs to stdout.
+                Agent::Istio(_) => Stdio::from(log.try_clone().unwrap()),
+                Agent::Ours => Stdio::null(),
+            })
             .stderr(log)
             .spawn()
             .expect("start install-cni");
@@ -428,7 +473,10 @@ impl TestNode {
     /// A memory figure of the agent from `/proc/<pid>/status` (`VmRSS`: resident now, `VmHWM`:
     /// its peak, `RssAnon`, `RssFile`), in KiB.
     pub fn agent_memory_kib(&self, field: &str) -> Option<u64> {
-        let pid = self.agent.as_ref()?.id();
+        let mut pid = self.agent.as_ref()?.id();
+        if let Agent::Istio(_) = self.agent_kind {
+            pid = crate::istio_agent::agent_process(pid)?;
+        }
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         status
             .lines()
@@ -444,11 +492,26 @@ impl TestNode {
 
     /// `GET /readyz` on the agent's health port: status code and body.
     pub fn readyz(&self) -> Option<(u16, String)> {
-        http_get(self.health_port, "/readyz")
+        self.agent_http(self.health_port, "/readyz")
+    }
+
+    /// An HTTP GET to the agent: Istio's listens in the node's namespace (host network).
+    fn agent_http(&self, port: u16, path: &str) -> Option<(u16, String)> {
+        match self.agent_kind {
+            Agent::Ours => http_get(port, path),
+            Agent::Istio(_) => {
+                let path = path.to_string();
+                self.node_netns
+                    .open()
+                    .run(move || http_get(port, &path))
+                    .ok()
+                    .flatten()
+            }
+        }
     }
 
     pub fn metrics(&self) -> String {
-        http_get(self.metrics_port, "/metrics")
+        self.agent_http(self.metrics_port, "/metrics")
             .map(|(_, b)| b)
             .unwrap_or_default()
     }

@@ -65,6 +65,43 @@ pub enum AddReply {
     Delay(Duration),
     /// Close the connection without answering, as a crashing ztunnel would.
     Crash,
+    /// Answer only once the test releases the gate, as it says then.
+    Hold(Gate),
+}
+
+/// A reply a test holds back: the peer waits on it until [`Gate::release`].
+#[derive(Clone, Default)]
+pub struct Gate(Arc<tokio::sync::watch::Sender<Option<AddReply>>>);
+
+impl Gate {
+    pub fn new() -> Gate {
+        Gate::default()
+    }
+
+    /// Lets every Add waiting on this gate (and later ones) be answered with `reply`.
+    pub fn release(&self, reply: AddReply) {
+        self.0.send_replace(Some(reply));
+    }
+
+    async fn wait(&self) -> AddReply {
+        let mut rx = self.0.subscribe();
+        let released = rx.wait_for(Option::is_some).await.expect("gate alive");
+        released.clone().expect("released")
+    }
+}
+
+impl PartialEq for Gate {
+    fn eq(&self, other: &Gate) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Gate {}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Gate")
+    }
 }
 
 #[derive(Clone)]
@@ -588,7 +625,12 @@ async fn handle_add(
             .cloned()
             .unwrap_or(AddReply::Ack)
     };
+    let reply = match reply {
+        AddReply::Hold(gate) => gate.wait().await,
+        other => other,
+    };
     let fail = match reply {
+        AddReply::Hold(_) => Some("a gate released with a gate".to_string()),
         AddReply::Crash => return Ok(None),
         AddReply::Delay(d) => {
             tokio::time::sleep(d).await;

@@ -3,9 +3,10 @@
 //! ztunnel acked it.
 //!
 //! Add: netns (CNI path: open `CNI_NETNS`; informer path: cached or discovered under /proc) →
-//! routes + rules in one transaction → ZDS Add, wait for the ack → host probe set → annotation
-//! `enabled`. A ztunnel failure leaves the annotation `pending` and is retryable; a netns or rule
-//! failure is not (the pod's sandbox must be retried or recreated).
+//! routes + rules in one transaction → ZDS Add, wait for the ack → host probe set, while the
+//! annotation `enabled` is patched at the same time; success once all of them succeeded. A
+//! ztunnel failure leaves the annotation `pending` and is retryable; a netns or rule failure is
+//! not (the pod's sandbox must be retried or recreated), and puts the annotation back as it was.
 //!
 //! Remove: probe set entries (only those carrying this pod's UID) → rules out of the still-running
 //! pod (not for deleted pods: their netns is going away) → ZDS Del to every ztunnel → annotation
@@ -103,6 +104,14 @@ impl MeshError {
             MeshError::Ztunnel { .. } | MeshError::ProbeSet { .. } | MeshError::Annotate { .. }
         )
     }
+}
+
+/// When each step of an add's redirection finished.
+struct Stages {
+    resolved: Instant,
+    applied: Instant,
+    acked: Instant,
+    probed: Instant,
 }
 
 /// Everything the add and remove pipelines touch.
@@ -232,6 +241,13 @@ impl Mesh {
         added
     }
 
+    /// The add pipeline with the annotation patch overlapped: the `pods/status` patch to
+    /// `enabled` (on this machine's API server three quarters of an ADD) runs while the netns is
+    /// opened, the rules applied, ztunnel acks and the probe set is written. Success is reported
+    /// only once all of them succeeded, so a pod never runs unredirected nor before istiod can
+    /// see it as HBONE. When a step fails, the patch is awaited and then compensated: the
+    /// annotation goes back to what it was (`pending` when ztunnel refused or did not answer,
+    /// as before), so a failed ADD never leaves `enabled` behind that it did not find.
     async fn add_locked(
         &self,
         pod: &Pod,
@@ -240,16 +256,103 @@ impl Mesh {
         netns_path: Option<&str>,
     ) -> Result<(), MeshError> {
         let pod_name = name(pod);
+        let cfg = self.pod_config(pod)?;
+        let (namespace, pod_only) = ns_name(pod);
+        let previous = pod
+            .metadata
+            .annotations
+            .as_ref()
+            .map(Redirection::of)
+            .unwrap_or(Redirection::Absent);
+
+        let began = Instant::now();
+        let annotate = async {
+            let result = self
+                .annotator
+                .set(namespace, pod_only, Redirection::Enabled)
+                .await;
+            (result, Instant::now())
+        };
+        let redirect = self.redirect(pod, uid, &pod_name, &cfg, ips, netns_path);
+        let ((annotated, annotated_at), redirected) = if netns_path.is_some() {
+            // The sandbox of a CNI ADD cannot receive traffic before we answer (the kubelet
+            // publishes its IP only after the ADD), so the patch may go out first.
+            tokio::join!(annotate, redirect)
+        } else {
+            // A running pod enrolled by the informer path would be sent HBONE before it is
+            // redirected: the annotation follows the redirection, as always.
+            match redirect.await {
+                Ok(stages) => (annotate.await, Ok(stages)),
+                Err(failed) => ((Ok(()), Instant::now()), Err(failed)),
+            }
+        };
+        let stages = match redirected {
+            Ok(stages) => stages,
+            Err(failed) => {
+                // The patch is done (or failed) by now: the compensation cannot be overtaken.
+                let undo = match failed {
+                    MeshError::Ztunnel { .. } => Redirection::Pending,
+                    // Nothing was patched on the informer path.
+                    _ if netns_path.is_none() => return Err(failed),
+                    _ => previous,
+                };
+                if undo == Redirection::Enabled {
+                    // As the failed ADD found it (a previous sandbox's).
+                    return Err(failed);
+                }
+                if let Err(source) = self.annotator.set(namespace, pod_only, undo).await {
+                    if matches!(failed, MeshError::Ztunnel { .. }) {
+                        return Err(MeshError::Annotate {
+                            pod: pod_name,
+                            source,
+                        });
+                    }
+                    tracing::error!(pod = %pod_name, error = %source, "cannot revert the redirection annotation of a failed ADD");
+                }
+                return Err(failed);
+            }
+        };
+        annotated.map_err(|source| MeshError::Annotate {
+            pod: pod_name.clone(),
+            source,
+        })?;
+        // Where the time went, for "why was this sandbox slow to start". The stages after the
+        // netns overlap the annotation patch.
+        tracing::info!(
+            pod = %pod_name,
+            backend = self.rules.backend(),
+            took = ?began.elapsed(),
+            netns = ?(stages.resolved - began),
+            rules = ?(stages.applied - stages.resolved),
+            ztunnel = ?(stages.acked - stages.applied),
+            probe_set = ?(stages.probed - stages.acked),
+            annotated = ?(annotated_at - began),
+            "pod enrolled in the ambient mesh"
+        );
+        Ok(())
+    }
+
+    /// The redirection half of an add: netns, routes + rules, ZDS Add and its ack, probe set.
+    async fn redirect(
+        &self,
+        pod: &Pod,
+        uid: &str,
+        pod_name: &str,
+        cfg: &InpodConfig,
+        ips: &[IpAddr],
+        netns_path: Option<&str>,
+    ) -> Result<Stages, MeshError> {
         let uid = uid.to_string();
         let workload = workload_info(pod);
-        let cfg = self.pod_config(pod)?;
-
         let began = Instant::now();
         let netns = match self.resolve_netns(&uid, &workload, ips, netns_path).await {
             Ok(ns) => ns,
             Err(why) => {
                 self.cache.take(&uid);
-                return Err(MeshError::Netns { pod: pod_name, why });
+                return Err(MeshError::Netns {
+                    pod: pod_name.to_string(),
+                    why,
+                });
             }
         };
         let resolved = Instant::now();
@@ -263,7 +366,7 @@ impl Mesh {
         if let Err(source) = applied {
             self.cache.take(&uid);
             return Err(MeshError::Rules {
-                pod: pod_name,
+                pod: pod_name.to_string(),
                 backend: self.rules.backend(),
                 source,
             });
@@ -278,43 +381,19 @@ impl Mesh {
         );
 
         if let Err(source) = self.zds.pod_added(&uid, workload, &netns).await {
-            let (namespace, pod_only) = ns_name(pod);
-            self.annotator
-                .set(namespace, pod_only, Redirection::Pending)
-                .await
-                .map_err(|source| MeshError::Annotate {
-                    pod: pod_name.clone(),
-                    source,
-                })?;
             return Err(MeshError::Ztunnel {
-                pod: pod_name,
+                pod: pod_name.to_string(),
                 source,
             });
         }
         let acked = Instant::now();
         self.upsert_probe_ips(pod, &uid, ips).await?;
-        let probed = Instant::now();
-        let (namespace, pod_only) = ns_name(pod);
-        self.annotator
-            .set(namespace, pod_only, Redirection::Enabled)
-            .await
-            .map_err(|source| MeshError::Annotate {
-                pod: pod_name.clone(),
-                source,
-            })?;
-        // Where the time went, for "why was this sandbox slow to start".
-        tracing::info!(
-            pod = %pod_name,
-            backend = self.rules.backend(),
-            took = ?began.elapsed(),
-            netns = ?(resolved - began),
-            rules = ?(applied - resolved),
-            ztunnel = ?(acked - applied),
-            probe_set = ?(probed - acked),
-            annotate = ?probed.elapsed(),
-            "pod enrolled in the ambient mesh"
-        );
-        Ok(())
+        Ok(Stages {
+            resolved,
+            applied,
+            acked,
+            probed: Instant::now(),
+        })
     }
 
     /// Adds the pod's IPs to the host probe set.
