@@ -355,6 +355,7 @@ async fn start_ambient(
         metrics: metrics.clone(),
         locks: Default::default(),
         probe_ips: Default::default(),
+        finished: Default::default(),
     });
     let policy = Arc::new(Policy {
         selectors: cfg.selectors.clone(),

@@ -7,6 +7,13 @@
 //! With `ZTUNNEL_BIN` (a ztunnel built with its `testing` feature) the peer is the real ztunnel
 //! (`deploy/node/ztunnel.yaml`). Needs root; the node binaries and images are built on first use.
 //! Run: `cargo bench -p testbed --bench pod_start`. Prints one markdown table for BENCHMARKS.md.
+//!
+//! `cargo bench -p testbed --bench pod_start -- --istiod`: the same on the node with Istio's own
+//! control plane (`scripts/real-node mesh install`: istiod from the pin, Istio's charts, our chart,
+//! the peer; Istio's ztunnel chart with `ZTUNNEL_BIN`), plus a second table: for each ambient pod,
+//! the time from our agent's `ambient.istio.io/redirection: enabled` (first seen by a watch) to
+//! istiod listing the workload as HBONE in its `/debug/ambientz` (polled every 50 ms, so each
+//! figure is late by up to one poll plus the poll's own time).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -18,6 +25,7 @@ use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
 use serde_json::json;
+use testbed::istio_mesh::Mesh;
 use testbed::real_node::{PEER, RealNode, ZTUNNEL, busybox_pod};
 
 const PODS: usize = 50;
@@ -29,10 +37,11 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1000.0
 }
 
-/// When each pod of a namespace was first seen Running.
+/// When each pod of a namespace was first seen Running, and first seen annotated `enabled`.
 #[derive(Clone, Default)]
 struct Running {
     seen: Arc<Mutex<HashMap<String, Instant>>>,
+    annotated: Arc<Mutex<HashMap<String, Instant>>>,
     changed: Arc<tokio::sync::Notify>,
 }
 
@@ -51,9 +60,17 @@ impl Running {
                 let now = Instant::now();
                 for p in pods {
                     let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                    let name = p.metadata.name.clone().unwrap_or_default();
                     if phase == Some("Running") {
-                        let name = p.metadata.name.clone().unwrap_or_default();
-                        r.seen.lock().unwrap().entry(name).or_insert(now);
+                        r.seen.lock().unwrap().entry(name.clone()).or_insert(now);
+                    }
+                    let enabled = p
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(REDIRECTION));
+                    if enabled.map(String::as_str) == Some("enabled") {
+                        r.annotated.lock().unwrap().entry(name).or_insert(now);
                     }
                 }
                 r.changed.notify_waiters();
@@ -142,22 +159,100 @@ async fn delete_all(node: &RealNode, api: &Api<Pod>) {
     .await;
 }
 
+/// When istiod first listed each pod of a namespace as HBONE, polled from its `/debug/ambientz`.
+#[derive(Clone, Default)]
+struct Hbone {
+    seen: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl Hbone {
+    fn poll(mesh: Arc<Mesh>, namespace: &str) -> (Hbone, tokio::task::JoinHandle<()>) {
+        let hbone = Hbone::default();
+        let (h, ns) = (hbone.clone(), namespace.to_string());
+        let task = tokio::spawn(async move {
+            loop {
+                if let Some(w) = mesh.istiod_workloads().await {
+                    let now = Instant::now();
+                    let mut seen = h.seen.lock().unwrap();
+                    for ((wns, name), wl) in w {
+                        if wns == ns && wl.tunnel_protocol == "HBONE" {
+                            seen.entry(name).or_insert(now);
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        (hbone, task)
+    }
+
+    /// Annotation → HBONE for `names`, sorted; waits up to 60 s for each.
+    async fn lags(&self, running: &Running, names: &[String]) -> Vec<Duration> {
+        let mut lags = Vec::new();
+        for n in names {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let at = loop {
+                if let Some(at) = self.seen.lock().unwrap().get(n) {
+                    break *at;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "istiod never listed {n} as HBONE"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            let annotated = *running
+                .annotated
+                .lock()
+                .unwrap()
+                .get(n)
+                .unwrap_or_else(|| panic!("{n} was never seen annotated"));
+            lags.push(at.saturating_duration_since(annotated));
+        }
+        lags.sort();
+        lags
+    }
+}
+
 #[tokio::main]
 async fn main() {
     if !nix::unistd::geteuid().is_root() {
         eprintln!("pod_start bench: needs root (the node runs in namespaces of its own)");
         std::process::exit(1);
     }
-    let node = RealNode::up().await;
-    let peer = if std::env::var_os("ZTUNNEL_BIN").is_some() {
-        assert!(node.has_real_ztunnel(), "ZTUNNEL_BIN set, no ztunnel.tar");
-        ZTUNNEL
+    let with_istiod = std::env::args().any(|a| a == "--istiod");
+    let real_ztunnel = std::env::var_os("ZTUNNEL_BIN").is_some();
+    let mesh = if with_istiod {
+        let m = Mesh::up(real_ztunnel).await;
+        eprintln!(
+            "pod_start bench: istiod from the pin, ztunnel: {}",
+            if real_ztunnel { "Istio's chart" } else { PEER }
+        );
+        Some(Arc::new(m))
     } else {
-        PEER
+        None
     };
-    eprintln!("pod_start bench: ZDS peer from {peer}");
-    node.install_chart_with(&[], peer).await;
+    let plain = if mesh.is_none() {
+        let node = RealNode::up().await;
+        let peer = if real_ztunnel {
+            assert!(node.has_real_ztunnel(), "ZTUNNEL_BIN set, no ztunnel.tar");
+            ZTUNNEL
+        } else {
+            PEER
+        };
+        eprintln!("pod_start bench: ZDS peer from {peer}");
+        node.install_chart_with(&[], peer).await;
+        Some(node)
+    } else {
+        None
+    };
+    let node: &RealNode = match (&mesh, &plain) {
+        (Some(m), _) => &m.node,
+        (None, Some(n)) => n,
+        (None, None) => unreachable!("one of the two was started"),
+    };
     let client = node.client();
+    let mut lag_rows = Vec::new();
 
     let mut rows = Vec::new();
     for (label, ambient) in [("non-mesh", false), ("ambient", true)] {
@@ -189,7 +284,17 @@ async fn main() {
             let names: Vec<String> = (0..PODS)
                 .map(|i| format!("{}-{i}", if burst { "b" } else { "s" }))
                 .collect();
+            let poller = match &mesh {
+                Some(m) if ambient => Some(Hbone::poll(m.clone(), &ns_name)),
+                _ => None,
+            };
             let times = create(&api, &running, &names, burst).await;
+            if let Some((hbone, task)) = poller {
+                let lags = hbone.lags(&running, &names).await;
+                task.abort();
+                let max = lags.last().unwrap().as_secs_f64() * 1000.0;
+                lag_rows.push((mode, pct(&lags, 0.5), pct(&lags, 0.99), max));
+            }
             if ambient {
                 for n in &names {
                     let p = api.get(n).await.unwrap();
@@ -215,7 +320,7 @@ async fn main() {
                 max,
                 failures,
             ));
-            delete_all(&node, &api).await;
+            delete_all(node, &api).await;
             // Events outlive their pods: the next mode counts only its own.
             let dp = DeleteParams::default();
             Api::<Event>::namespaced(client.clone(), &ns_name)
@@ -231,5 +336,15 @@ async fn main() {
     println!("|---|---|---|---|---|---|");
     for (label, mode, p50, p99, max, failures) in rows {
         println!("| {label} | {mode} | {p50:.0} | {p99:.0} | {max:.0} | {failures} |");
+    }
+    if !lag_rows.is_empty() {
+        println!();
+        println!(
+            "| ambient pods ({PODS}) | created | our annotation → istiod HBONE p50 ms | p99 ms | max ms |"
+        );
+        println!("|---|---|---|---|---|");
+        for (mode, p50, p99, max) in lag_rows {
+            println!("| ambient | {mode} | {p50:.0} | {p99:.0} | {max:.0} |");
+        }
     }
 }

@@ -5,6 +5,7 @@ pub mod api_proxy;
 pub mod churn;
 pub mod cni_runtime;
 pub mod istio_agent;
+pub mod istio_mesh;
 pub mod kube;
 pub mod manifests;
 pub mod migrate;

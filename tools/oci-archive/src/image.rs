@@ -1,7 +1,9 @@
 //! One-layer OCI images written as an OCI image layout in a tar archive, the form
 //! `ctr images import` reads. The layer is uncompressed (nothing to gain on a local import, and
 //! no compressor whose output could change between versions); `index.json` names the image in
-//! both annotations containerd looks at, so the import tags it with the full reference.
+//! both annotations containerd looks at, so the import tags it with the full reference. An image
+//! may have several references (one index entry each, all for the same manifest), as a registry
+//! image has several tags: Istio's charts name theirs `<tag>-<variant>`.
 
 use ring::digest::{SHA256, digest};
 use serde_json::{Value, json};
@@ -33,6 +35,9 @@ pub struct Config {
     pub cmd: Vec<String>,
     pub env: Vec<String>,
     pub workdir: Option<String>,
+    /// `User` of the image config (`uid[:gid]`): a pod with `runAsNonRoot` and no `runAsUser`
+    /// starts only when the image names a numeric non-root user.
+    pub user: Option<String>,
 }
 
 /// `amd64`/`arm64`/… for the machine this runs on, as OCI spells it.
@@ -86,7 +91,22 @@ pub fn archive(
     rootfs: &Tree,
     config: &Config,
 ) -> Result<(Vec<u8>, String), ImageError> {
-    check_reference(reference)?;
+    archive_named(&[reference], rootfs, config)
+}
+
+/// [`archive`] with every name in `references` (at least one), each an index entry of the same
+/// manifest.
+pub fn archive_named(
+    references: &[&str],
+    rootfs: &Tree,
+    config: &Config,
+) -> Result<(Vec<u8>, String), ImageError> {
+    if references.is_empty() {
+        return Err(ImageError::BadReference(String::new()));
+    }
+    for reference in references {
+        check_reference(reference)?;
+    }
     if let Some(bad) = config
         .env
         .iter()
@@ -108,6 +128,9 @@ pub fn archive(
     if let Some(dir) = &config.workdir {
         runtime.insert("WorkingDir".into(), json!(dir));
     }
+    if let Some(user) = &config.user {
+        runtime.insert("User".into(), json!(user));
+    }
     let image_config = to_bytes(&json!({
         "architecture": host_arch(),
         "os": "linux",
@@ -120,13 +143,19 @@ pub fn archive(
         "config": descriptor(CONFIG_TYPE, &image_config),
         "layers": [descriptor(LAYER_TYPE, &layer)],
     }));
-    let mut entry = descriptor(MANIFEST_TYPE, &manifest);
-    entry["platform"] = json!({"architecture": host_arch(), "os": "linux"});
-    entry["annotations"] = json!({CONTAINERD_NAME: reference, OCI_REF_NAME: reference});
+    let entries: Vec<Value> = references
+        .iter()
+        .map(|reference| {
+            let mut entry = descriptor(MANIFEST_TYPE, &manifest);
+            entry["platform"] = json!({"architecture": host_arch(), "os": "linux"});
+            entry["annotations"] = json!({CONTAINERD_NAME: reference, OCI_REF_NAME: reference});
+            entry
+        })
+        .collect();
     let index = to_bytes(&json!({
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.index.v1+json",
-        "manifests": [entry],
+        "manifests": entries,
     }));
 
     let mut out = Tree::new();
@@ -223,6 +252,35 @@ mod tests {
             "the ref is in index.json only, not in the manifest"
         );
         assert_ne!(a.0, other.0);
+    }
+
+    #[test]
+    fn several_names_for_one_manifest_and_a_user() {
+        let cfg = Config {
+            user: Some("1337:1337".into()),
+            ..Config::default()
+        };
+        let refs = ["localhost/x/pilot:dev", "localhost/x/pilot:dev-distroless"];
+        let (tar, digest) = archive_named(&refs, &busybox_tree(), &cfg).unwrap();
+        let files = read(&tar);
+        let index: Value = serde_json::from_slice(&files["index.json"]).unwrap();
+        let entries = index["manifests"].as_array().unwrap();
+        assert_eq!(entries.len(), 2);
+        for (entry, reference) in entries.iter().zip(refs) {
+            assert_eq!(entry["digest"], digest.as_str());
+            assert_eq!(entry["annotations"][CONTAINERD_NAME], reference);
+        }
+        let manifest: Value =
+            serde_json::from_slice(&files[&format!("blobs/sha256/{}", &digest[7..])]).unwrap();
+        let config_digest = manifest["config"]["digest"].as_str().unwrap();
+        let config: Value =
+            serde_json::from_slice(&files[&format!("blobs/sha256/{}", &config_digest[7..])])
+                .unwrap();
+        assert_eq!(config["config"]["User"], "1337:1337");
+        // One name or two: the same image.
+        assert_eq!(archive(refs[0], &busybox_tree(), &cfg).unwrap().1, digest);
+        assert!(archive_named(&[], &busybox_tree(), &cfg).is_err());
+        assert!(archive_named(&[refs[0], "Bad:ref"], &busybox_tree(), &cfg).is_err());
     }
 
     #[test]

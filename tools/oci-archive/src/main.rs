@@ -18,9 +18,10 @@ use oci_archive::tar::Tree;
 #[derive(Parser)]
 #[command(about = "Write a single-layer OCI image archive for `ctr images import`")]
 struct Args {
-    /// Image reference, `<name>:<tag>` (written to index.json).
-    #[arg(long = "ref")]
-    reference: String,
+    /// Image reference, `<name>:<tag>` (written to index.json); repeat it for more names of the
+    /// same image.
+    #[arg(long = "ref", required = true)]
+    reference: Vec<String>,
     /// Archive to write (replaced atomically).
     #[arg(long)]
     out: PathBuf,
@@ -44,6 +45,9 @@ struct Args {
     env: Vec<String>,
     #[arg(long)]
     workdir: Option<String>,
+    /// The user the image runs as, `uid[:gid]`.
+    #[arg(long)]
+    user: Option<String>,
 }
 
 fn pair<'a>(flag: &str, arg: &'a str) -> Result<(&'a str, &'a str)> {
@@ -105,10 +109,14 @@ fn main() -> Result<()> {
         cmd: argv("cmd", args.cmd.as_deref())?,
         env: args.env.clone(),
         workdir: args.workdir.clone(),
+        user: args.user.clone(),
     };
     let rootfs = tree(&args)?;
-    let (archive, _manifest) = image::archive(&args.reference, &rootfs, &config)?;
+    let refs: Vec<&str> = args.reference.iter().map(String::as_str).collect();
+    let (archive, _manifest) = image::archive_named(&refs, &rootfs, &config)?;
     write_atomically(&args.out, &archive)?;
-    println!("{} {}", args.reference, args.out.display());
+    for reference in &refs {
+        println!("{reference} {}", args.out.display());
+    }
     Ok(())
 }

@@ -11,6 +11,12 @@
 //! Remove: probe set entries (only those carrying this pod's UID) → rules out of the still-running
 //! pod (not for deleted pods: their netns is going away) → ZDS Del to every ztunnel → annotation
 //! removed.
+//!
+//! A pod is removed for good once: kubelet posts a deleted pod's terminal phase before the object
+//! goes, and the reconciler removes the pod at the first event that shows it terminal
+//! ([`Mesh::finished`]), so later updates (the cache shows the pod terminal and still annotated
+//! until our annotation removal comes back) and the delete event have nothing left to do. Istio
+//! removes it at each of them and ztunnel reads a second `Del` for a UID it already dropped.
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -134,6 +140,35 @@ pub struct Mesh {
     /// One operation per pod at a time (see [`PodLocks`]).
     pub locks: PodLocks,
     pub probe_ips: ProbeIps,
+    /// Pods removed for good while their object still existed (terminal phase).
+    pub finished: FinishedPods,
+}
+
+/// UIDs of pods removed from the mesh because they terminated, and not added since. Their delete
+/// event then sends no second ZDS `Del`. An entry lives from the terminal removal to the pod's
+/// delete event (or an add of the same UID), so the set holds only pods between the two.
+#[derive(Default)]
+pub struct FinishedPods(std::sync::Mutex<HashSet<String>>);
+
+impl FinishedPods {
+    /// The pod `uid` left the mesh for good.
+    pub fn insert(&self, uid: &str) {
+        self.0.lock().unwrap().insert(uid.to_string());
+    }
+
+    pub fn contains(&self, uid: &str) -> bool {
+        self.0.lock().unwrap().contains(uid)
+    }
+
+    /// The pod is (being) added again: its next removal is a real one.
+    pub fn forget(&self, uid: &str) {
+        self.0.lock().unwrap().remove(uid);
+    }
+
+    /// Whether `uid` was removed for good; forgets it (its delete event is the last word).
+    pub fn take(&self, uid: &str) -> bool {
+        self.0.lock().unwrap().remove(uid)
+    }
 }
 
 /// The IPs each pod's probe-set entries were made for. A deleted pod's object can lack them (a
@@ -231,6 +266,7 @@ impl Mesh {
             .clone()
             .ok_or_else(|| MeshError::NoUid(name(pod)))?;
         let _pod_lock = self.locks.lock(&uid).await;
+        self.finished.forget(&uid);
         let added = self.add_locked(pod, &uid, ips, netns_path).await;
         if added.is_err() && netns_path.is_some() {
             // A failed ADD's sandbox is torn down by the runtime, which retries with a new one:
@@ -737,6 +773,22 @@ fn ns_name(pod: &Pod) -> (&str, &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_finished_pod_is_finished_until_deleted_or_added_again() {
+        let finished = FinishedPods::default();
+        assert!(!finished.take("uid-a"), "never removed");
+        finished.insert("uid-a");
+        assert!(finished.contains("uid-a"), "a later update finds it");
+        assert!(finished.take("uid-a"), "its delete event finds it");
+        assert!(!finished.take("uid-a"), "and only that one");
+        finished.insert("uid-b");
+        finished.forget("uid-b");
+        assert!(
+            !finished.take("uid-b"),
+            "added again: its delete removes it"
+        );
+    }
 
     #[test]
     fn removal_covers_the_ips_a_pod_object_no_longer_shows() {

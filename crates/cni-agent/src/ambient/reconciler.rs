@@ -183,6 +183,12 @@ impl Reconciler {
                 self.count("delete");
                 if let Some(uid) = &pod.metadata.uid {
                     self.mesh.hints.forget(uid);
+                    // Removed for good at its terminal phase (kubelet posts it before the object
+                    // goes): ztunnel already had its Del, the probe set its entries.
+                    if self.mesh.finished.take(uid) {
+                        tracing::debug!(pod = ?pod_key(pod), "deleted pod already left the mesh");
+                        return Ok(false);
+                    }
                 }
                 if self.policy.is_ztunnel(pod) {
                     return Ok(false);
@@ -228,7 +234,14 @@ impl Reconciler {
                 for action in on_update(&old_f, &cur_f, &scope) {
                     match action {
                         Action::RemoveTerminated => {
-                            self.mesh.remove(&old, &old_f.ips, true).await?
+                            // Every later event of a terminated pod still reads the cached pod
+                            // as terminal and enrolled until our annotation removal comes back:
+                            // it left the mesh at the first.
+                            let uid = old.metadata.uid.as_deref().unwrap_or_default();
+                            if !self.mesh.finished.contains(uid) {
+                                self.mesh.remove(&old, &old_f.ips, true).await?;
+                                self.mesh.finished.insert(uid);
+                            }
                         }
                         Action::SyncProbeIps => {
                             let uid = current.metadata.uid.clone().unwrap_or_default();
