@@ -191,7 +191,8 @@ fn images_import_into_containerd_and_run() {
     assert_eq!(
         String::from_utf8(built.stdout).unwrap(),
         format!(
-            "{PAUSE} {out}/pause.tar\n{BUSYBOX} {out}/busybox.tar\n{ZTUNNEL} {out}/ztunnel.tar\n"
+            "{PAUSE} {out}/pause.tar\n{BUSYBOX} {out}/busybox.tar\n{ZTUNNEL} {out}/ztunnel.tar\n\
+             {ZTUNNEL}-distroless {out}/ztunnel.tar\n"
         )
     );
 
@@ -204,7 +205,12 @@ fn images_import_into_containerd_and_run() {
         String::from_utf8_lossy(&imported.stderr)
     );
     let refs = ctd.ctr_ok(&["images", "ls", "-q"]);
-    assert_eq!(refs.lines().collect::<Vec<_>>(), [BUSYBOX, PAUSE, ZTUNNEL]);
+    // One archive, two names: Istio's ztunnel chart asks for `-distroless` with profile ambient.
+    let distroless = format!("{ZTUNNEL}-distroless");
+    assert_eq!(
+        refs.lines().collect::<Vec<_>>(),
+        [BUSYBOX, PAUSE, ZTUNNEL, distroless.as_str()]
+    );
 
     // The image has nothing but the binary and what it links, and that is enough to run it.
     assert_eq!(ctd.run_once(ZTUNNEL, &["ztunnel", "linked"]), "linked\n");
@@ -255,7 +261,7 @@ fn bad_input_names_what_is_wrong() {
     check(
         &["build", d, "nginx"],
         2,
-        "unknown image nginx (one of: pause busybox install-cni ztunnel-peer ztunnel)",
+        "unknown image nginx (one of: pause busybox install-cni ztunnel-peer ztunnel istio-install-cni pilot)",
     );
     check(
         &["build", d, "ztunnel"],
