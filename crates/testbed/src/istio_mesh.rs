@@ -95,6 +95,8 @@ pub struct Mesh {
     /// Whether ztunnel is Istio's (chart + image from `ZTUNNEL_BIN`) rather than our peer.
     pub ztunnel: bool,
     token: Mutex<Option<String>>,
+    /// The pod IP of the istiod that last answered.
+    istiod: Mutex<Option<String>>,
     /// Held open for the process's life (see [`down_when_this_process_exits`]).
     _watchdog: std::process::ChildStdin,
 }
@@ -129,6 +131,7 @@ impl Mesh {
             node,
             ztunnel,
             token: Mutex::new(None),
+            istiod: Mutex::new(None),
             _watchdog: watchdog,
         };
         mesh.install().await;
@@ -251,10 +254,22 @@ impl Mesh {
 
     /// istiod's `/debug/ambientz`, if istiod is up and answers.
     pub async fn ambientz(&self) -> Option<Value> {
+        // The last istiod that answered first; the API server's current one when it does not.
+        let known = self.istiod.lock().unwrap().clone();
+        if let Some(ip) = known
+            && let Some(z) = self.ambientz_at(&ip).await
+        {
+            return Some(z);
+        }
         let ip = self.istiod_ip().await?;
+        *self.istiod.lock().unwrap() = Some(ip.clone());
+        self.ambientz_at(&ip).await
+    }
+
+    async fn ambientz_at(&self, ip: &str) -> Option<Value> {
         let token = self.token();
         let (code, body) = self
-            .http_get(&ip, ISTIOD_HTTP_PORT, "/debug/ambientz", Some(&token))
+            .http_get(ip, ISTIOD_HTTP_PORT, "/debug/ambientz", Some(&token))
             .await
             .ok()?;
         (code == 200).then(|| serde_json::from_str(&body).ok())?
