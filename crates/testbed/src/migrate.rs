@@ -8,11 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
-use serde_json::Value;
-
-use crate::real_node::{PEER, REDIRECTION, RealNode, VALUES, annotation, running};
+use crate::real_node::{PEER, RealNode, VALUES};
 
 /// Istio's image hub on the node: Istio's chart renders `<hub>/install-cni:<tag>`, and our hub
 /// would name our image.
@@ -139,56 +135,6 @@ pub fn agent_log(node: &RealNode) -> String {
         "--tail=-1",
     ]);
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-pub async fn create(node: &RealNode, ns: &str, pod: Value) -> String {
-    let pod: Pod = serde_json::from_value(pod).unwrap();
-    let created = Api::<Pod>::namespaced(node.client(), ns)
-        .create(&PostParams::default(), &pod)
-        .await
-        .unwrap();
-    created.metadata.uid.unwrap()
-}
-
-pub async fn get(node: &RealNode, ns: &str, name: &str) -> Option<Pod> {
-    Api::<Pod>::namespaced(node.client(), ns)
-        .get_opt(name)
-        .await
-        .unwrap()
-}
-
-pub async fn wait_running(node: &RealNode, ns: &str, name: &str) -> Pod {
-    node.eventually(
-        &format!("pod {ns}/{name} Running"),
-        Duration::from_secs(90),
-        || async {
-            get(node, ns, name)
-                .await
-                .filter(|p| running(p) && p.status.as_ref().unwrap().pod_ip.is_some())
-        },
-    )
-    .await
-}
-
-pub async fn wait_redirection(node: &RealNode, ns: &str, name: &str, want: Option<&str>) {
-    node.eventually(
-        &format!("{ns}/{name} redirection {want:?}"),
-        Duration::from_secs(60),
-        || async {
-            let p = get(node, ns, name).await?;
-            (annotation(&p, REDIRECTION).as_deref() == want).then_some(())
-        },
-    )
-    .await
-}
-
-/// What the current container of `name` printed first: `REDIRECTED` or `DIRECT`.
-pub fn witness(node: &RealNode, ns: &str, name: &str) -> String {
-    let logs = node.kubectl(&["-n", ns, "logs", name, "-c", "app"]);
-    logs.lines()
-        .rfind(|l| *l == "REDIRECTED" || *l == "DIRECT")
-        .unwrap_or_else(|| panic!("{ns}/{name} printed no witness: {logs:?}"))
-        .to_string()
 }
 
 /// The witness again, now, in the running pod (`kubectl exec`): whether its outbound still lands

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use dataplane::netns::Netns;
 use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use serde_json::Value;
 
 /// Our chart, and the real node's values file and peer DaemonSet for it.
 pub const CHART: &str = "deploy/charts/istio-cni";
@@ -523,4 +525,76 @@ async fn forward(listener: tokio::net::TcpListener, netns: Arc<Mutex<Option<Netn
             let _ = tokio::io::copy_bidirectional(&mut downstream, &mut upstream).await;
         });
     }
+}
+
+/// Creates `pod` in `ns` through the API; its UID.
+pub async fn create(node: &RealNode, ns: &str, pod: Value) -> String {
+    let pod: Pod = serde_json::from_value(pod).unwrap();
+    let created = Api::<Pod>::namespaced(node.client(), ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+    created.metadata.uid.unwrap()
+}
+
+/// Pod `ns/name`, if it exists.
+pub async fn get(node: &RealNode, ns: &str, name: &str) -> Option<Pod> {
+    Api::<Pod>::namespaced(node.client(), ns)
+        .get_opt(name)
+        .await
+        .unwrap()
+}
+
+/// Waits until pod `ns/name` runs and has its IP.
+pub async fn wait_running(node: &RealNode, ns: &str, name: &str) -> Pod {
+    node.eventually(
+        &format!("pod {ns}/{name} Running"),
+        Duration::from_secs(120),
+        || async {
+            get(node, ns, name)
+                .await
+                .filter(|p| running(p) && p.status.as_ref().unwrap().pod_ip.is_some())
+        },
+    )
+    .await
+}
+
+/// Waits until pod `ns/name` carries the redirection annotation `want` (`None`: none).
+pub async fn wait_redirection(node: &RealNode, ns: &str, name: &str, want: Option<&str>) {
+    node.eventually(
+        &format!("{ns}/{name} redirection {want:?}"),
+        Duration::from_secs(60),
+        || async {
+            let p = get(node, ns, name).await?;
+            (annotation(&p, REDIRECTION).as_deref() == want).then_some(())
+        },
+    )
+    .await
+}
+
+/// What the current container of `name` printed first: `REDIRECTED` or `DIRECT`.
+pub fn witness(node: &RealNode, ns: &str, name: &str) -> String {
+    let logs = node.kubectl(&["-n", ns, "logs", name, "-c", "app"]);
+    logs.lines()
+        .rfind(|l| *l == "REDIRECTED" || *l == "DIRECT")
+        .unwrap_or_else(|| panic!("{ns}/{name} printed no witness: {logs:?}"))
+        .to_string()
+}
+
+/// Puts namespace `name` in the ambient mesh, or takes it out (the label removed).
+pub async fn label_namespace(node: &RealNode, name: &str, ambient: bool) {
+    let value = if ambient {
+        serde_json::json!(AMBIENT.1)
+    } else {
+        Value::Null
+    };
+    let patch = serde_json::json!({"metadata": {"labels": {AMBIENT.0: value}}});
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(node.client())
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
 }

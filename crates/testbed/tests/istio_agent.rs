@@ -14,11 +14,13 @@
 use std::time::Duration;
 
 use testbed::migrate::{
-    ISTIO_IMAGE, agent_image, agent_log, create, get, helm_cni, install_peer, istio_plugin_binary,
-    node_rules, peer_workloads, pod_rules, redirected_now, wait_peer_has, wait_redirection,
-    wait_running, witness,
+    ISTIO_IMAGE, agent_image, agent_log, helm_cni, install_peer, istio_plugin_binary, node_rules,
+    peer_workloads, pod_rules, redirected_now, wait_peer_has,
 };
-use testbed::real_node::{CONFLIST, REDIRECTION, RealNode, annotation, witness_pod};
+use testbed::real_node::{
+    CONFLIST, REDIRECTION, RealNode, annotation, create, get, wait_redirection, wait_running,
+    witness, witness_pod,
+};
 
 /// The iptables variants: kubelet's (and the node's `iptables`) is nft.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -19,12 +19,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{LazyLock, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Event, Namespace, Pod, Service};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use serde_json::{Value, json};
+use k8s_openapi::api::core::v1::{Event, Pod, Service};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::json;
 use testbed::istio_mesh::{DATAPLANE_MODE, Mesh, SYSTEM_NAMESPACE, sample};
 use testbed::real_node::{
-    AMBIENT, PEER, REDIRECTION, RealNode, annotation, busybox_pod, running, witness_pod,
+    PEER, REDIRECTION, RealNode, annotation, busybox_pod, create, get, label_namespace, running,
+    wait_redirection, wait_running, witness, witness_pod,
 };
 
 /// One runtime for the whole file: the shared mesh's client and forwarder live on it.
@@ -70,71 +71,6 @@ fn shared(cell: &'static OnceLock<Result<Mesh, String>>, ztunnel: bool) -> &'sta
     })
     .as_ref()
     .unwrap_or_else(|e| panic!("the shared mesh did not come up: {e}"))
-}
-
-async fn create(node: &RealNode, ns: &str, pod: Value) -> String {
-    let pod: Pod = serde_json::from_value(pod).unwrap();
-    Api::<Pod>::namespaced(node.client(), ns)
-        .create(&PostParams::default(), &pod)
-        .await
-        .unwrap()
-        .metadata
-        .uid
-        .unwrap()
-}
-
-async fn get(node: &RealNode, ns: &str, name: &str) -> Option<Pod> {
-    Api::<Pod>::namespaced(node.client(), ns)
-        .get_opt(name)
-        .await
-        .unwrap()
-}
-
-async fn wait_running(node: &RealNode, ns: &str, name: &str) -> Pod {
-    node.eventually(
-        &format!("pod {ns}/{name} Running"),
-        Duration::from_secs(120),
-        || async {
-            get(node, ns, name)
-                .await
-                .filter(|p| running(p) && p.status.as_ref().unwrap().pod_ip.is_some())
-        },
-    )
-    .await
-}
-
-async fn wait_redirection(node: &RealNode, ns: &str, name: &str, want: Option<&str>) {
-    node.eventually(
-        &format!("{ns}/{name} redirection {want:?}"),
-        Duration::from_secs(60),
-        || async {
-            let p = get(node, ns, name).await?;
-            (annotation(&p, REDIRECTION).as_deref() == want).then_some(())
-        },
-    )
-    .await
-}
-
-async fn label_namespace(node: &RealNode, name: &str, ambient: bool) {
-    let value = if ambient {
-        json!(AMBIENT.1)
-    } else {
-        Value::Null
-    };
-    let patch = json!({"metadata": {"labels": {AMBIENT.0: value}}});
-    Api::<Namespace>::all(node.client())
-        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap();
-}
-
-/// What the current container of `name` printed first (`REDIRECTED` or `DIRECT`).
-fn witness(node: &RealNode, ns: &str, name: &str) -> String {
-    let logs = node.kubectl(&["-n", ns, "logs", name, "-c", "app"]);
-    logs.lines()
-        .rfind(|l| *l == "REDIRECTED" || *l == "DIRECT")
-        .unwrap_or_else(|| panic!("{ns}/{name} printed no witness: {logs:?}"))
-        .to_string()
 }
 
 type Key = (String, String);

@@ -14,12 +14,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use testbed::real_node::{
-    AMBIENT, CHART, CONFLIST, NODE_NAME, REDIRECTION, RealNode, VALUES, WITNESS, ZTUNNEL,
-    annotation, busybox_pod, running, witness_pod as pod,
+    CHART, CONFLIST, NODE_NAME, REDIRECTION, RealNode, VALUES, WITNESS, ZTUNNEL, annotation,
+    busybox_pod, create, get, label_namespace, running, wait_redirection, wait_running, witness,
+    witness_pod as pod,
 };
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
@@ -31,19 +32,6 @@ fn repo_path(p: &str) -> String {
 
 async fn namespace(node: &RealNode, name: &str, ambient: bool) {
     node.namespace(name, ambient).await
-}
-
-async fn label_namespace(node: &RealNode, name: &str, ambient: bool) {
-    let value = if ambient {
-        json!(AMBIENT.1)
-    } else {
-        Value::Null
-    };
-    let patch = json!({"metadata": {"labels": {AMBIENT.0: value}}});
-    Api::<Namespace>::all(node.client())
-        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap();
 }
 
 /// An injected sidecar pod: Istio's status annotation and an `istio-proxy` container, which here
@@ -65,56 +53,6 @@ fn sidecar_pod(name: &str) -> Value {
         "command": ["nc", "-ll", "-p", "15001", "-e", "true"]
     }));
     p
-}
-
-async fn create(node: &RealNode, ns: &str, pod: Value) -> String {
-    let pod: Pod = serde_json::from_value(pod).unwrap();
-    let created = Api::<Pod>::namespaced(node.client(), ns)
-        .create(&PostParams::default(), &pod)
-        .await
-        .unwrap();
-    created.metadata.uid.unwrap()
-}
-
-async fn get(node: &RealNode, ns: &str, name: &str) -> Option<Pod> {
-    Api::<Pod>::namespaced(node.client(), ns)
-        .get_opt(name)
-        .await
-        .unwrap()
-}
-
-async fn wait_running(node: &RealNode, ns: &str, name: &str) -> Pod {
-    node.eventually(
-        &format!("pod {ns}/{name} Running"),
-        Duration::from_secs(90),
-        || async {
-            get(node, ns, name)
-                .await
-                .filter(|p| running(p) && p.status.as_ref().unwrap().pod_ip.is_some())
-        },
-    )
-    .await
-}
-
-async fn wait_redirection(node: &RealNode, ns: &str, name: &str, want: Option<&str>) {
-    node.eventually(
-        &format!("{ns}/{name} redirection {want:?}"),
-        Duration::from_secs(60),
-        || async {
-            let p = get(node, ns, name).await?;
-            (annotation(&p, REDIRECTION).as_deref() == want).then_some(())
-        },
-    )
-    .await
-}
-
-/// What the current container of `name` printed first.
-fn witness(node: &RealNode, ns: &str, name: &str) -> String {
-    let logs = node.kubectl(&["-n", ns, "logs", name, "-c", "app"]);
-    logs.lines()
-        .rfind(|l| *l == "REDIRECTED" || *l == "DIRECT")
-        .unwrap_or_else(|| panic!("{ns}/{name} printed no witness: {logs:?}"))
-        .to_string()
 }
 
 /// The peer's view: pod UID → (state, connections through its listeners).

@@ -8,10 +8,11 @@
 use std::time::Duration;
 
 use testbed::migrate::{
-    Rules, agent_log, create, make_node_legacy, node_rules, peer_workloads, pod_rules,
-    redirected_now, wait_running, witness,
+    Rules, agent_log, make_node_legacy, node_rules, peer_workloads, pod_rules, redirected_now,
 };
-use testbed::real_node::{CONFLIST, REDIRECTION, RealNode, annotation, witness_pod};
+use testbed::real_node::{
+    CONFLIST, REDIRECTION, RealNode, annotation, create, wait_running, witness, witness_pod,
+};
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
 static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -72,7 +73,7 @@ async fn iptables_backend_redirects_kubelets_pods_with_the_nodes_variant_then_un
     wait_running(&node, "plain", "plain").await;
 
     for (name, uid) in [("server", &server), ("client", &client)] {
-        let p = testbed::migrate::get(&node, "mesh", name).await.unwrap();
+        let p = testbed::real_node::get(&node, "mesh", name).await.unwrap();
         assert_eq!(annotation(&p, REDIRECTION).as_deref(), Some("enabled"));
         assert_eq!(witness(&node, "mesh", name), "REDIRECTED", "{name}");
         // In-pod rules are iptables ones, in the node's variant, and no nftables table of ours.
@@ -164,7 +165,7 @@ async fn iptables_backend_follows_a_legacy_node() {
     node.namespace("mesh", true).await;
     let uid = create(&node, "mesh", witness_pod("app", "sleep 3600")).await;
     wait_running(&node, "mesh", "app").await;
-    testbed::migrate::wait_redirection(&node, "mesh", "app", Some("enabled")).await;
+    testbed::real_node::wait_redirection(&node, "mesh", "app", Some("enabled")).await;
     assert_eq!(witness(&node, "mesh", "app"), "REDIRECTED");
     let rules = pod_rules(&node, &uid);
     assert!(
