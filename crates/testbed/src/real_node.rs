@@ -598,3 +598,18 @@ pub async fn label_namespace(node: &RealNode, name: &str, ambient: bool) {
         .await
         .unwrap();
 }
+
+/// Processes whose command line names `dir`: whatever a node there started.
+pub fn processes_under(dir: &std::path::Path) -> Vec<String> {
+    let needle = dir.to_str().unwrap().as_bytes();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let cmdline = std::fs::read(e.ok()?.path().join("cmdline")).ok()?;
+            cmdline
+                .windows(needle.len())
+                .any(|w| w == needle)
+                .then(|| String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        })
+        .collect()
+}

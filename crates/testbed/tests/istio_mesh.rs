@@ -24,8 +24,8 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use testbed::istio_mesh::{DATAPLANE_MODE, Mesh, SYSTEM_NAMESPACE, sample};
 use testbed::real_node::{
-    PEER, REDIRECTION, RealNode, annotation, busybox_pod, create, get, label_namespace, running,
-    wait_redirection, wait_running, witness, witness_pod,
+    PEER, REDIRECTION, RealNode, annotation, busybox_pod, create, get, label_namespace,
+    processes_under, running, wait_redirection, wait_running, witness, witness_pod,
 };
 
 /// One runtime for the whole file: the shared mesh's client and forwarder live on it.
@@ -520,21 +520,6 @@ fn mesh_up(
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-/// Processes whose command line names `dir`: whatever a node there started.
-fn processes_under(dir: &std::path::Path) -> Vec<String> {
-    let needle = dir.to_str().unwrap().as_bytes();
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| {
-            let cmdline = std::fs::read(e.ok()?.path().join("cmdline")).ok()?;
-            cmdline
-                .windows(needle.len())
-                .any(|w| w == needle)
-                .then(|| String::from_utf8_lossy(&cmdline).replace('\0', " "))
-        })
-        .collect()
 }
 
 /// A failed image build is named and nothing starts; an istiod that cannot start is named with

@@ -19,8 +19,8 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use testbed::real_node::{
     CHART, CONFLIST, NODE_NAME, REDIRECTION, RealNode, VALUES, WITNESS, ZTUNNEL, annotation,
-    busybox_pod, create, get, label_namespace, running, wait_redirection, wait_running, witness,
-    witness_pod as pod,
+    busybox_pod, create, get, label_namespace, processes_under, running, wait_redirection,
+    wait_running, witness, witness_pod as pod,
 };
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
@@ -566,21 +566,6 @@ fn up_with(dir: &std::path::Path, env: &[(&str, String)]) -> (bool, String) {
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-/// Processes whose command line names `dir`: whatever a node there started.
-fn processes_under(dir: &std::path::Path) -> Vec<String> {
-    let needle = dir.to_str().unwrap().as_bytes();
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| {
-            let cmdline = std::fs::read(e.ok()?.path().join("cmdline")).ok()?;
-            cmdline
-                .windows(needle.len())
-                .any(|w| w == needle)
-                .then(|| String::from_utf8_lossy(&cmdline).replace('\0', " "))
-        })
-        .collect()
 }
 
 #[tokio::test]
