@@ -7,7 +7,7 @@
 
 use cni_core::redirect::consts::{MARK_MASK, ROUTE_TABLE, RULE_PRIORITY, TPROXY_MARK};
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
-use netlink_packet_route::link::{LinkAttribute, LinkMessage};
+use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
 use netlink_packet_route::route::{
     RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
@@ -109,6 +109,10 @@ pub fn apply_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<(), Ro
     netns.run(|| {
         let mut sock = open()?;
         let lo = loopback_index(&mut sock)?;
+        // The runtime may run the loopback plugin in parallel with the chain (containerd does), so
+        // `lo` can still be down here; the kernel refuses an IPv6 route on a down device
+        // (ENETDOWN). Setting it up is what the loopback plugin does anyway.
+        set_up(&mut sock, lo)?;
         for piece in desired(ipv6, lo_ipv6_enabled()) {
             add(&mut sock, piece, lo, policy)?;
         }
@@ -271,6 +275,18 @@ fn loopback_index(sock: &mut NetlinkSocket) -> Result<u32, RouteError> {
             _ => None,
         })
         .ok_or(RouteError::NoLoopback)
+}
+
+fn set_up(sock: &mut NetlinkSocket, index: u32) -> Result<(), RouteError> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    msg.header.flags = LinkFlags::Up;
+    msg.header.change_mask = LinkFlags::Up;
+    sock.request(RouteNetlinkMessage::SetLink(msg), 0)
+        .map_err(|source| RouteError::Netlink {
+            what: "set lo up".into(),
+            source,
+        })
 }
 
 fn route_msg(family: AddressFamily, lo: u32, policy: &Policy) -> RouteMessage {
@@ -480,6 +496,22 @@ mod tests {
                 RoutePiece::MarkRuleV6
             ]
         );
+        assert!(state.missing().is_empty(), "{state:?}");
+    }
+
+    #[test]
+    fn apply_brings_a_down_lo_up_so_the_v6_route_is_accepted() {
+        crate::require_root!();
+        let ns = TestNetns::new("routeslodown");
+        // As a pod whose loopback plugin has not run yet (containerd runs it in parallel).
+        ns.exec("ip", &["link", "set", "lo", "down"]);
+        let netns = ns.open();
+        apply(&netns, true).unwrap();
+        assert!(
+            ns.exec("ip", &["link", "show", "lo"]).contains(",UP"),
+            "lo stays down"
+        );
+        let state = read(&netns, true).unwrap();
         assert!(state.missing().is_empty(), "{state:?}");
     }
 }
