@@ -180,9 +180,12 @@ fn forward_loopback(node: &TestNetns, port: u16) -> std::net::TcpListener {
 }
 
 /// The nftables host rule matches kubelet's UID, found from a process named kubelet.
+/// A symlink, not a copy: a copy is written through a descriptor that a concurrent test's fork
+/// can inherit until its exec, and executing the copy meanwhile fails with ETXTBSY (seen in CI).
+/// The kernel names the process after the path it was executed by, so `comm` is `kubelet`.
 fn fake_kubelet(dir: &Path) -> Child {
     let fake = dir.join("kubelet");
-    std::fs::copy("/bin/sleep", &fake).unwrap();
+    std::os::unix::fs::symlink("/bin/sleep", &fake).unwrap();
     Command::new(&fake)
         .arg("infinity")
         .spawn()
