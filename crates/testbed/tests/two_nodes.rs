@@ -123,17 +123,23 @@ fn get_from(c: &RealNode, ns: &str, client: &str, addr: &str) -> Result<String, 
     }
 }
 
-/// Waits until the peer on `node` lists, for workload `uid`, an accepted connection for which
-/// `want` holds; panics with what it has.
+/// How many connections the peer on `node` accepted for workload `uid` for which `want` holds.
+fn accepted(node: Node<'_>, uid: &str, want: &impl Fn(&PeerAccepted) -> bool) -> usize {
+    peer_accepted(node, uid).iter().filter(|a| want(a)).count()
+}
+
+/// Waits until the peer on `node` lists, for workload `uid`, more than `before` accepted
+/// connections for which `want` holds; panics naming `what`.
 async fn wait_accepted(
     c: &RealNode,
     node: Node<'_>,
     uid: &str,
+    before: usize,
     what: &str,
     want: impl Fn(&PeerAccepted) -> bool,
 ) {
     c.eventually(what, Duration::from_secs(30), || async {
-        peer_accepted(node, uid).iter().any(&want).then_some(())
+        (accepted(node, uid, &want) > before).then_some(())
     })
     .await
 }
@@ -159,6 +165,16 @@ async fn cross_node_traffic(c: &RealNode, ns: &str) {
                 to + 1,
                 dst_node.name()
             );
+            // The client's outbound, to where it was going, on its 15001; the server's inbound,
+            // from the client's pod IP, on its 15006 (counted before: every case adds one).
+            let outbound =
+                |a: &PeerAccepted| a.port == 15001 && a.original_dst.as_deref() == Some(&addr);
+            let inbound = |a: &PeerAccepted| {
+                a.port == 15006
+                    && a.peer.rsplit_once(':').map(|(ip, _)| ip) == Some(src.client_ip.as_str())
+            };
+            let outbound_before = accepted(src_node, &src.client_uid, &outbound);
+            let inbound_before = accepted(dst_node, &dst.web_uid, &inbound);
             // kube-proxy programs a new Service within a moment: retried until then.
             c.eventually(&what, Duration::from_secs(30), || async {
                 get_from(c, ns, &src.client, &addr).ok()
@@ -168,20 +184,21 @@ async fn cross_node_traffic(c: &RealNode, ns: &str) {
                 c,
                 src_node,
                 &src.client_uid,
+                outbound_before,
                 &format!("{what}: the client's outbound on its 15001"),
-                |a| a.port == 15001 && a.original_dst.as_deref() == Some(addr.as_str()),
+                outbound,
             )
             .await;
-            let client_ip = src.client_ip.clone();
             wait_accepted(
                 c,
                 dst_node,
                 &dst.web_uid,
-                &format!("{what}: the server's inbound on its 15006 from {client_ip}"),
-                |a| {
-                    a.port == 15006
-                        && a.peer.rsplit_once(':').map(|(ip, _)| ip) == Some(client_ip.as_str())
-                },
+                inbound_before,
+                &format!(
+                    "{what}: the server's inbound on its 15006 from {}",
+                    src.client_ip
+                ),
+                inbound,
             )
             .await;
         }
