@@ -19,7 +19,7 @@ use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use testbed::migrate::{
-    ISTIO_IMAGE, ON_DELETE, PeerAccepted, agent_pod_image, helm_cni_with, install_peer,
+    ISTIO_IMAGE, ON_DELETE, PeerAccepted, agent_pod, agent_pod_image, helm_cni_with, install_peer,
     peer_accepted, replace_agent_pod, wait_peer_has,
 };
 use testbed::real_node::{
@@ -259,4 +259,17 @@ async fn istios_agent_on_one_node_and_ours_on_the_other_carry_ambient_traffic_bo
     );
     assert_eq!(agent_pod_image(c.node(2)), OUR_IMAGE, "node 2 runs ours");
     cross_node_traffic(&c, "mixed").await;
+    // Istio's agent ran under our chart's ClusterRoles since the upgrade (node 1's pods were
+    // created after it, so it enrolled them under those): nothing it asked for was refused.
+    let istio_log = c.kubectl(&[
+        "-n",
+        "istio-system",
+        "logs",
+        &agent_pod(c.node(1)),
+        "--tail=-1",
+    ]);
+    assert!(
+        !istio_log.to_lowercase().contains("forbidden"),
+        "Istio's agent was refused something under our RBAC:\n{istio_log}"
+    );
 }
