@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use crate::real_node::{PEER, RealNode, VALUES};
+use crate::real_node::{Node, PEER, RealNode, VALUES};
 
 /// Istio's image hub on the node: Istio's chart renders `<hub>/install-cni:<tag>`, and our hub
 /// would name our image.
@@ -90,6 +90,11 @@ pub fn values_args(istio: bool) -> Vec<String> {
 
 /// `helm <verb> istio-cni <chart>` with [`values_args`], then waits for the rollout.
 pub async fn helm_cni(node: &RealNode, verb: &str, istio: bool) {
+    helm_cni_with(node, verb, istio, &[]).await;
+}
+
+/// [`helm_cni`] with `extra` helm arguments after the values (e.g. [`ON_DELETE`]).
+pub async fn helm_cni_with(node: &RealNode, verb: &str, istio: bool, extra: &[&str]) {
     let chart = if istio {
         istio_chart()
     } else {
@@ -100,9 +105,122 @@ pub async fn helm_cni(node: &RealNode, verb: &str, istio: bool) {
         args.push("--create-namespace".into());
     }
     args.extend(values_args(istio));
+    args.extend(extra.iter().map(|a| a.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     node.helm(&args);
-    node.rollout("istio-cni-node").await;
+    if extra
+        .iter()
+        .any(|a| a.ends_with("updateStrategy.type=OnDelete"))
+    {
+        // No rollout to wait for (kubectl's `rollout status` knows only RollingUpdate).
+        wait_agents_ready(node).await;
+    } else {
+        node.rollout("istio-cni-node").await;
+    }
+}
+
+/// Waits until the agent DaemonSet's controller saw its current spec and every scheduled agent
+/// pod is ready (whatever its template: with [`ON_DELETE`], old pods count).
+pub async fn wait_agents_ready(node: &RealNode) {
+    node.eventually("every agent pod ready", Duration::from_secs(90), || {
+        let out = node.try_script(&[
+            "kubectl",
+            "-n",
+            "istio-system",
+            "get",
+            "ds",
+            "istio-cni-node",
+            "-o",
+            "jsonpath={.metadata.generation} {.status.observedGeneration} \
+             {.status.desiredNumberScheduled} {.status.numberReady}",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        async move {
+            let n: Vec<&str> = text.split_whitespace().collect();
+            (n.len() == 4 && n[0] == n[1] && n[2] == n[3] && n[2] != "0").then_some(())
+        }
+    })
+    .await;
+}
+
+/// Helm arguments (either chart) for a DaemonSet that replaces a node's agent pod only when that
+/// pod is deleted (`updateStrategy: OnDelete`): after a `helm upgrade` to the other chart, each
+/// node keeps its agent until its pod is deleted, one node (pool) at a time.
+pub const ON_DELETE: &[&str] = &[
+    "--set",
+    "updateStrategy.type=OnDelete",
+    "--set",
+    "updateStrategy.rollingUpdate=null",
+];
+
+/// The agent pod (`istio-cni-node`) running on `node`, by name.
+pub fn agent_pod<'a>(node: impl Into<Node<'a>>) -> String {
+    let node = node.into();
+    let name = node.name();
+    node.cluster()
+        .kubectl(&[
+            "-n",
+            "istio-system",
+            "get",
+            "pods",
+            "-l",
+            "k8s-app=istio-cni-node",
+            "--field-selector",
+            &format!("spec.nodeName={name}"),
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ])
+        .split_whitespace()
+        .next()
+        .unwrap_or_else(|| panic!("no agent pod on {name}"))
+        .to_string()
+}
+
+/// The image of the agent pod running on `node` (with [`ON_DELETE`], not the DaemonSet's).
+pub fn agent_pod_image<'a>(node: impl Into<Node<'a>>) -> String {
+    let node = node.into();
+    node.cluster().kubectl(&[
+        "-n",
+        "istio-system",
+        "get",
+        "pod",
+        &agent_pod(node),
+        "-o",
+        "jsonpath={.spec.containers[0].image}",
+    ])
+}
+
+/// Deletes the agent pod on `node` and waits until the DaemonSet's replacement runs there (with
+/// [`ON_DELETE`]: the node switches to the DaemonSet's current template).
+pub async fn replace_agent_pod<'a>(node: impl Into<Node<'a>>) {
+    let node = node.into();
+    let old = agent_pod(node);
+    let real = node.cluster();
+    real.kubectl(&["-n", "istio-system", "delete", "pod", &old, "--wait=true"]);
+    real.eventually(
+        &format!("a new agent pod on {}", node.name()),
+        Duration::from_secs(90),
+        || async {
+            let out = real.try_script(&[
+                "kubectl",
+                "-n",
+                "istio-system",
+                "get",
+                "pods",
+                "-l",
+                "k8s-app=istio-cni-node",
+                "--field-selector",
+                &format!("spec.nodeName={}", node.name()),
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].ready}{\"\\n\"}{end}",
+            ]);
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            text.lines()
+                .any(|l| !l.starts_with(&format!("{old} ")) && l.ends_with(" true"))
+                .then_some(())
+        },
+    )
+    .await;
 }
 
 /// The ztunnel-like peer (`deploy/node/ztunnel-peer.yaml`), rolled out.
@@ -159,9 +277,9 @@ pub fn redirected_now(node: &RealNode, ns: &str, name: &str) -> bool {
     }
 }
 
-/// The peer's workloads: pod UID → proxied connections.
-pub fn peer_workloads(node: &RealNode) -> std::collections::BTreeMap<String, u64> {
-    let Some(st) = node.peer_status() else {
+/// The peer's workloads on `node` (a [`RealNode`] is its node 1): pod UID → proxied connections.
+pub fn peer_workloads<'a>(node: impl Into<Node<'a>>) -> std::collections::BTreeMap<String, u64> {
+    let Some(st) = node.into().peer_status() else {
         return Default::default();
     };
     st["workloads"]
@@ -174,13 +292,45 @@ pub fn peer_workloads(node: &RealNode) -> std::collections::BTreeMap<String, u64
         .unwrap_or_default()
 }
 
-pub async fn wait_peer_has(node: &RealNode, uid: &str, present: bool) {
-    node.eventually(
-        &format!("peer has {uid}: {present}"),
-        Duration::from_secs(60),
-        || async { (peer_workloads(node).contains_key(uid) == present).then_some(()) },
-    )
-    .await
+/// Waits until the peer on `node` has workload `uid` (`present`) or not.
+pub async fn wait_peer_has<'a>(node: impl Into<Node<'a>>, uid: &str, present: bool) {
+    let node = node.into();
+    node.cluster()
+        .eventually(
+            &format!("peer on {} has {uid}: {present}", node.name()),
+            Duration::from_secs(60),
+            || async { (peer_workloads(node).contains_key(uid) == present).then_some(()) },
+        )
+        .await
+}
+
+/// One connection the peer's in-pod listeners accepted for a workload (its status' `accepted`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerAccepted {
+    /// The listener: 15001 outbound, 15006 inbound plaintext, 15008 HBONE, 15053 DNS.
+    pub port: u16,
+    /// The client's address as the listener saw it.
+    pub peer: String,
+    /// Where the connection was going before it was redirected.
+    pub original_dst: Option<String>,
+}
+
+/// What the peer on `node` accepted for workload `uid` so far (empty when it has no such
+/// workload).
+pub fn peer_accepted<'a>(node: impl Into<Node<'a>>, uid: &str) -> Vec<PeerAccepted> {
+    let Some(st) = node.into().peer_status() else {
+        return Vec::new();
+    };
+    st["workloads"][uid]["accepted"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| PeerAccepted {
+            port: a["port"].as_u64().unwrap_or_default() as u16,
+            peer: a["peer"].as_str().unwrap_or_default().to_string(),
+            original_dst: a["original_dst"].as_str().map(str::to_string),
+        })
+        .collect()
 }
 
 /// `cmd args` from this machine's tools in network namespace `netns`; panics on failure.
@@ -228,9 +378,10 @@ pub fn normalized(save: &str) -> String {
         .join("\n")
 }
 
-/// The rules of pod `uid`'s network namespace.
-pub fn pod_rules(node: &RealNode, uid: &str) -> Rules {
+/// The rules of pod `uid`'s network namespace (on `node`: a [`RealNode`] is its node 1).
+pub fn pod_rules<'a>(node: impl Into<Node<'a>>, uid: &str) -> Rules {
     let netns = node
+        .into()
         .pod_netns(uid)
         .unwrap_or_else(|| panic!("no process of pod {uid} on the node"));
     Rules::of(&netns)

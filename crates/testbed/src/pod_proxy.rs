@@ -34,7 +34,7 @@ pub const DNS_REPLY_PREFIX: &[u8] = b"proxy-dns:";
 pub const HBONE_REPLY: &[u8] = b"proxy-hbone\n";
 
 /// One connection (or DNS datagram) a listener received.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Accepted {
     pub port: u16,
     pub peer: SocketAddr,

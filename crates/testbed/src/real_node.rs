@@ -5,6 +5,12 @@
 //! The API server listens on loopback inside the node's network namespace; [`RealNode::client`]
 //! reaches it through a forwarder on the test's loopback whose upstream sockets are created in
 //! the node's namespace (the netns rule: a socket keeps the namespace it was made in).
+//!
+//! [`RealNode::up_nodes`] starts a cluster of several nodes (`scripts/real-node up --nodes N`):
+//! node 1 runs the control plane, every node its own containerd, kubelet and kube-proxy in its
+//! own namespaces. [`RealNode::node`] is a handle on one node for what is per node (files,
+//! processes, pod network namespaces, the peer's status); `RealNode`'s own methods of that kind
+//! are node 1's.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -23,8 +29,10 @@ pub const PEER: &str = "deploy/node/ztunnel-peer.yaml";
 /// The real ztunnel's DaemonSet, for images that carry one (`ZTUNNEL_BIN`).
 pub const ZTUNNEL: &str = "deploy/node/ztunnel.yaml";
 
-/// The node's name in the cluster (`scripts/real-node`).
+/// The node's name in the cluster (`scripts/real-node`); node K > 1 is `real-node-K`.
 pub const NODE_NAME: &str = "real-node";
+/// The label every kubelet sets on its Node to the node's name (what a `nodeSelector` pins).
+pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 
 /// The node's primary CNI config, where the installer chains our plugin.
 pub const CONFLIST: &str = "/etc/cni/net.d/10-bridge.conflist";
@@ -56,6 +64,12 @@ pub fn busybox_pod(name: &str, command: &[&str]) -> serde_json::Value {
     })
 }
 
+/// `pod` (a pod as JSON) pinned to node `node_name` by a `nodeSelector` on [`HOSTNAME_LABEL`].
+pub fn on_node(mut pod: Value, node_name: &str) -> Value {
+    pod["spec"]["nodeSelector"] = serde_json::json!({ HOSTNAME_LABEL: node_name });
+    pod
+}
+
 /// A [`busybox_pod`] whose container runs the [`WITNESS`], then `then`.
 pub fn witness_pod(name: &str, then: &str) -> serde_json::Value {
     busybox_pod(name, &["sh", "-c", &format!("{WITNESS}; {then}")])
@@ -81,6 +95,8 @@ fn repo() -> PathBuf {
 pub struct RealNode {
     dir: tempfile::TempDir,
     images: PathBuf,
+    /// How many nodes the cluster has (`scripts/real-node up --nodes`).
+    nodes: usize,
     /// Extra environment of `scripts/real-node up` (its `REAL_NODE_*` knobs).
     up_env: Vec<(String, String)>,
     /// The node's network namespace, replaced at each start (a stopped node's is gone).
@@ -138,6 +154,18 @@ impl RealNode {
     /// [`RealNode::up`] with extra environment for `scripts/real-node up` (and every later
     /// start), e.g. `REAL_NODE_MAX_RESTART_BACKOFF`.
     pub async fn up_with(env: &[(&str, &str)]) -> Self {
+        Self::up_cluster(1, env).await
+    }
+
+    /// A cluster of `n` nodes: node 1 (`real-node`, the control plane too) and workers
+    /// `real-node-2`..`real-node-n`, each with its own containerd, kubelet and kube-proxy, pod
+    /// traffic routed between them. Waits until every node is Ready.
+    pub async fn up_nodes(n: usize) -> Self {
+        Self::up_cluster(n, &[]).await
+    }
+
+    async fn up_cluster(nodes: usize, env: &[(&str, &str)]) -> Self {
+        assert!(nodes >= 1, "a cluster has a node at least");
         let dir = tempfile::Builder::new()
             .prefix("real-node")
             .tempdir_in("/tmp")
@@ -149,6 +177,7 @@ impl RealNode {
         let node = RealNode {
             dir,
             images: images_dir(),
+            nodes,
             up_env: env
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -162,9 +191,25 @@ impl RealNode {
         node
     }
 
-    /// The node's directory (logs under `logs/`, the CNI config under `overlay/etc/upper/cni`).
+    /// The node's directory (logs under `logs/`, the CNI config under `overlay/etc/upper/cni`;
+    /// worker K's under `node-K/`).
     pub fn dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// Node `k` (1-based: 1 is `real-node`).
+    pub fn node(&self, k: usize) -> Node<'_> {
+        assert!(
+            (1..=self.nodes).contains(&k),
+            "node {k} of a cluster of {}",
+            self.nodes
+        );
+        Node { real: self, k }
+    }
+
+    /// Every node, node 1 first.
+    pub fn nodes(&self) -> Vec<Node<'_>> {
+        (1..=self.nodes).map(|k| self.node(k)).collect()
     }
 
     /// Runs `scripts/real-node ARGS` for this node; panics with its output on failure.
@@ -212,12 +257,9 @@ impl RealNode {
         self.script(&all)
     }
 
-    /// A file as the node sees it (its /run, /etc and /opt are its own).
+    /// A file as node 1 sees it (its /run, /etc and /opt are its own).
     pub fn read(&self, path: &str) -> Option<String> {
-        let out = self.try_script(&["exec", "cat", path]);
-        out.status
-            .success()
-            .then(|| String::from_utf8(out.stdout).unwrap())
+        self.node(1).read(path)
     }
 
     /// Creates namespace `name`, in the ambient mesh or not.
@@ -236,65 +278,32 @@ impl RealNode {
             .unwrap_or_else(|e| panic!("cannot create namespace {name}: {e}"));
     }
 
-    /// The node's init (its namespaces' holder) as the machine sees it.
+    /// Node 1's init (its namespaces' holder) as the machine sees it.
     pub fn holder_pid(&self) -> u32 {
-        let pid = std::fs::read_to_string(self.dir.path().join("run/holder.pid"))
-            .expect("the node is running (run/holder.pid)");
-        pid.trim().parse().expect("holder.pid holds a pid")
+        self.node(1).holder_pid()
     }
 
-    /// `path` inside the node's mount namespace, as a path on the machine (through its init's
-    /// `/proc/<pid>/root`): for reads, writes and renames without a process per access. `path`
-    /// must have no symlink in it (an absolute one would resolve on the machine): `/run/...`,
-    /// not `/var/run/...`.
+    /// `path` inside node 1's mount namespace, as a path on the machine ([`Node::node_path`]).
     pub fn node_path(&self, path: &str) -> PathBuf {
-        let rel = path
-            .strip_prefix('/')
-            .expect("an absolute path on the node");
-        PathBuf::from(format!("/proc/{}/root", self.holder_pid())).join(rel)
+        self.node(1).node_path(path)
     }
 
-    /// The parent of every pod cgroup of this node (`cgroupRoot` of its kubelet).
-    fn cgroup_root(&self) -> String {
-        let cfg = std::fs::read_to_string(self.dir.path().join("kubelet/config.yaml"))
-            .expect("the node's kubelet config");
-        cfg.lines()
-            .find_map(|l| l.strip_prefix("cgroupRoot:"))
-            .expect("cgroupRoot in the kubelet config")
-            .trim()
-            .to_string()
-    }
-
-    /// Processes of this node's pods (by their cgroups, so another node's never match) whose
-    /// cgroup path contains `pattern` (e.g. `pod<uid>/`) and whose name is `comm`, if given.
+    /// Processes of node 1's pods ([`Node::pod_processes`]).
     pub fn pod_processes(&self, pattern: &str, comm: Option<&str>) -> Vec<u32> {
-        let root = format!("{}/kubepods", self.cgroup_root());
-        processes(|pid| {
-            let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-            let ours = cg.lines().any(|l| l.contains(&root) && l.contains(pattern));
-            ours && comm.is_none_or(|c| comm_of(pid).as_deref() == Some(c))
-        })
+        self.node(1).pod_processes(pattern, comm)
     }
 
-    /// Processes named `comm` in the node's own mount namespace (its components and what they
-    /// run: containerd's CNI plugins), not in a container's.
+    /// Processes named `comm` in node 1's own mount namespace ([`Node::node_processes`]).
     pub fn node_processes(&self, comm: &str) -> Vec<u32> {
-        let mnt = std::fs::read_link(format!("/proc/{}/ns/mnt", self.holder_pid())).ok();
-        processes(|pid| {
-            comm_of(pid).as_deref() == Some(comm)
-                && std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok() == mnt
-        })
+        self.node(1).node_processes(comm)
     }
 
-    /// The network namespace of pod `uid`'s sandbox, as `/proc/<pid>/ns/net` of one of its
-    /// processes (the sandbox's pause process or a container's).
+    /// The network namespace of pod `uid`'s sandbox on node 1 ([`Node::pod_netns`]).
     pub fn pod_netns(&self, uid: &str) -> Option<PathBuf> {
-        let pid = *self.pod_processes(&format!("pod{uid}/"), None).first()?;
-        Some(PathBuf::from(format!("/proc/{pid}/ns/net")))
+        self.node(1).pod_netns(uid)
     }
 
-    /// Every line container `container` of pod `ns/name` (UID `uid`) printed, each of its runs
-    /// in order, from kubelet's log files (`/var/log/pods`, the node's `var-log`).
+    /// What a container on node 1 printed ([`Node::container_output`]).
     pub fn container_output(
         &self,
         ns: &str,
@@ -302,47 +311,23 @@ impl RealNode {
         uid: &str,
         container: &str,
     ) -> Vec<String> {
-        let dir = self
-            .dir
-            .path()
-            .join(format!("var-log/pods/{ns}_{name}_{uid}/{container}"));
-        let mut runs: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| {
-                let n = e
-                    .file_name()
-                    .to_string_lossy()
-                    .strip_suffix(".log")?
-                    .parse()
-                    .ok()?;
-                Some((n, e.path()))
-            })
-            .collect();
-        runs.sort();
-        // CRI log lines: `<time> stdout|stderr F|P <text>`.
-        runs.iter()
-            .flat_map(|(_, p)| {
-                std::fs::read_to_string(p)
-                    .unwrap_or_default()
-                    .lines()
-                    .filter_map(|l| Some(l.splitn(4, ' ').nth(3)?.to_string()))
-                    .collect::<Vec<_>>()
-            })
-            .collect()
+        self.node(1).container_output(ns, name, uid, container)
     }
 
-    /// The peer's status file (`deploy/node/ztunnel-peer.yaml`), if it wrote one.
+    /// The peer's status file on node 1 ([`Node::peer_status`]).
     pub fn peer_status(&self) -> Option<serde_json::Value> {
-        let text = std::fs::read_to_string(self.node_path(PEER_STATUS)).ok()?;
-        serde_json::from_str(&text).ok()
+        self.node(1).peer_status()
     }
 
     /// `scripts/real-node up`: starts every component (again, after [`RealNode::stop`]).
     pub async fn start(&self) {
         let images = self.images.to_str().unwrap().to_string();
-        let out = self.try_script_blocking(&["up", "--images", &images]).await;
+        let nodes = self.nodes.to_string();
+        let mut args = vec!["up", "--images", &images];
+        if self.nodes > 1 {
+            args.extend(["--nodes", &nodes]);
+        }
+        let out = self.try_script_blocking(&args).await;
         assert!(
             out.status.success(),
             "scripts/real-node up failed:\n{}",
@@ -359,14 +344,10 @@ impl RealNode {
         self.script(&["stop"]);
     }
 
-    /// Restarts one component (`kubelet`, `containerd`, ...) and waits until it works again.
+    /// Restarts one component of node 1 (`kubelet`, `containerd`, ...) and waits until it works
+    /// again.
     pub async fn restart(&self, component: &str) {
-        let out = self.try_script_blocking(&["restart", component]).await;
-        assert!(
-            out.status.success(),
-            "restart failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        self.node(1).restart(component).await
     }
 
     /// A cluster-admin client (x509 `system:masters`), through the forwarder.
@@ -454,20 +435,233 @@ impl RealNode {
         }
     }
 
-    /// The last lines of the components' logs, for failure messages.
+    /// The last lines of node 1's components' logs, for failure messages.
+    pub fn log_tails(&self, components: &[&str]) -> String {
+        self.node(1).log_tails(components)
+    }
+}
+
+/// One node of a [`RealNode`] cluster: what is per node (its directory, init, files, processes,
+/// pods' network namespaces, the peer's status, its components). `From<&RealNode>` is node 1, so
+/// helpers taking `impl Into<Node>` take either.
+#[derive(Clone, Copy)]
+pub struct Node<'a> {
+    real: &'a RealNode,
+    k: usize,
+}
+
+impl<'a> From<&'a RealNode> for Node<'a> {
+    fn from(real: &'a RealNode) -> Self {
+        real.node(1)
+    }
+}
+
+impl<'a> Node<'a> {
+    /// The cluster this node belongs to.
+    pub fn cluster(&self) -> &'a RealNode {
+        self.real
+    }
+
+    /// 1-based: 1 is `real-node`, the control-plane node.
+    pub fn index(&self) -> usize {
+        self.k
+    }
+
+    /// The node's name in the cluster (its [`HOSTNAME_LABEL`]).
+    pub fn name(&self) -> String {
+        match self.k {
+            1 => NODE_NAME.to_string(),
+            k => format!("{NODE_NAME}-{k}"),
+        }
+    }
+
+    /// The node IP: 10.240.0.(9+K).
+    pub fn ip(&self) -> String {
+        format!("10.240.0.{}", 9 + self.k)
+    }
+
+    /// The node's pod CIDR: 10.244.(K-1).0/24.
+    pub fn pod_cidr(&self) -> String {
+        format!("10.244.{}.0/24", self.k - 1)
+    }
+
+    /// The node's directory: the cluster's for node 1, `node-K/` in it for the others.
+    pub fn dir(&self) -> PathBuf {
+        match self.k {
+            1 => self.real.dir().to_path_buf(),
+            k => self.real.dir().join(format!("node-{k}")),
+        }
+    }
+
+    /// `args` for `scripts/real-node` on this node (`--node K` first, but for node 1).
+    fn args<'b>(&self, k: &'b str, args: &[&'b str]) -> Vec<&'b str> {
+        let mut all = Vec::with_capacity(args.len() + 2);
+        if self.k != 1 {
+            all.extend(["--node", k]);
+        }
+        all.extend_from_slice(args);
+        all
+    }
+
+    /// `scripts/real-node ARGS` on this node (`exec`, `env`, ...).
+    pub fn try_script(&self, args: &[&str]) -> Output {
+        let k = self.k.to_string();
+        self.real.try_script(&self.args(&k, args))
+    }
+
+    /// [`Node::try_script`]; panics with its output on failure.
+    pub fn script(&self, args: &[&str]) -> String {
+        let k = self.k.to_string();
+        self.real.script(&self.args(&k, args))
+    }
+
+    /// A command inside the node (its namespaces, `KUBECONFIG` set); panics on failure.
+    pub fn exec(&self, cmd: &[&str]) -> String {
+        let mut all = vec!["exec"];
+        all.extend_from_slice(cmd);
+        self.script(&all)
+    }
+
+    /// A file as the node sees it (its /run, /etc and /opt are its own).
+    pub fn read(&self, path: &str) -> Option<String> {
+        let out = self.try_script(&["exec", "cat", path]);
+        out.status
+            .success()
+            .then(|| String::from_utf8(out.stdout).unwrap())
+    }
+
+    /// Restarts one of the node's components (`kubelet`, `containerd`, `kube-proxy`; on node 1
+    /// also the control plane's) and waits until it works again.
+    pub async fn restart(&self, component: &str) {
+        let k = self.k.to_string();
+        let out = self
+            .real
+            .try_script_blocking(&self.args(&k, &["restart", component]))
+            .await;
+        assert!(
+            out.status.success(),
+            "restart of {component} on {} failed:\n{}",
+            self.name(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// The last lines of the node's components' logs, for failure messages.
     pub fn log_tails(&self, components: &[&str]) -> String {
         let mut s = String::new();
         for c in components {
-            let text = std::fs::read_to_string(self.dir.path().join(format!("logs/{c}.log")))
+            let text = std::fs::read_to_string(self.dir().join(format!("logs/{c}.log")))
                 .unwrap_or_default();
             let lines: Vec<_> = text.lines().collect();
-            s += &format!("--- {c}.log (last 15 lines)\n");
+            s += &format!("--- {} {c}.log (last 15 lines)\n", self.name());
             for l in &lines[lines.len().saturating_sub(15)..] {
                 s += l;
                 s.push('\n');
             }
         }
         s
+    }
+
+    /// The node's init (its namespaces' holder) as the machine sees it.
+    pub fn holder_pid(&self) -> u32 {
+        let pid = std::fs::read_to_string(self.dir().join("run/holder.pid"))
+            .expect("the node is running (run/holder.pid)");
+        pid.trim().parse().expect("holder.pid holds a pid")
+    }
+
+    /// `path` inside the node's mount namespace, as a path on the machine (through its init's
+    /// `/proc/<pid>/root`): for reads, writes and renames without a process per access. `path`
+    /// must have no symlink in it (an absolute one would resolve on the machine): `/run/...`,
+    /// not `/var/run/...`.
+    pub fn node_path(&self, path: &str) -> PathBuf {
+        let rel = path
+            .strip_prefix('/')
+            .expect("an absolute path on the node");
+        PathBuf::from(format!("/proc/{}/root", self.holder_pid())).join(rel)
+    }
+
+    /// The parent of every pod cgroup of this node (`cgroupRoot` of its kubelet).
+    fn cgroup_root(&self) -> String {
+        let cfg = std::fs::read_to_string(self.dir().join("kubelet/config.yaml"))
+            .expect("the node's kubelet config");
+        cfg.lines()
+            .find_map(|l| l.strip_prefix("cgroupRoot:"))
+            .expect("cgroupRoot in the kubelet config")
+            .trim()
+            .to_string()
+    }
+
+    /// Processes of this node's pods (by their cgroups, so another node's never match) whose
+    /// cgroup path contains `pattern` (e.g. `pod<uid>/`) and whose name is `comm`, if given.
+    pub fn pod_processes(&self, pattern: &str, comm: Option<&str>) -> Vec<u32> {
+        let root = format!("{}/kubepods", self.cgroup_root());
+        processes(|pid| {
+            let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+            let ours = cg.lines().any(|l| l.contains(&root) && l.contains(pattern));
+            ours && comm.is_none_or(|c| comm_of(pid).as_deref() == Some(c))
+        })
+    }
+
+    /// Processes named `comm` in the node's own mount namespace (its components and what they
+    /// run: containerd's CNI plugins), not in a container's.
+    pub fn node_processes(&self, comm: &str) -> Vec<u32> {
+        let mnt = std::fs::read_link(format!("/proc/{}/ns/mnt", self.holder_pid())).ok();
+        processes(|pid| {
+            comm_of(pid).as_deref() == Some(comm)
+                && std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok() == mnt
+        })
+    }
+
+    /// The network namespace of pod `uid`'s sandbox, as `/proc/<pid>/ns/net` of one of its
+    /// processes (the sandbox's pause process or a container's).
+    pub fn pod_netns(&self, uid: &str) -> Option<PathBuf> {
+        let pid = *self.pod_processes(&format!("pod{uid}/"), None).first()?;
+        Some(PathBuf::from(format!("/proc/{pid}/ns/net")))
+    }
+
+    /// Every line container `container` of pod `ns/name` (UID `uid`) printed, each of its runs
+    /// in order, from kubelet's log files (`/var/log/pods`, the node's `var-log`).
+    pub fn container_output(
+        &self,
+        ns: &str,
+        name: &str,
+        uid: &str,
+        container: &str,
+    ) -> Vec<String> {
+        let dir = self
+            .dir()
+            .join(format!("var-log/pods/{ns}_{name}_{uid}/{container}"));
+        let mut runs: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let n = e
+                    .file_name()
+                    .to_string_lossy()
+                    .strip_suffix(".log")?
+                    .parse()
+                    .ok()?;
+                Some((n, e.path()))
+            })
+            .collect();
+        runs.sort();
+        // CRI log lines: `<time> stdout|stderr F|P <text>`.
+        runs.iter()
+            .flat_map(|(_, p)| {
+                std::fs::read_to_string(p)
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| Some(l.splitn(4, ' ').nth(3)?.to_string()))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// The peer's status file (`deploy/node/ztunnel-peer.yaml`), if it wrote one.
+    pub fn peer_status(&self) -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(self.node_path(PEER_STATUS)).ok()?;
+        serde_json::from_str(&text).ok()
     }
 }
 

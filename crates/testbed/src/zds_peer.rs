@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_seqpacket::UnixSeqpacket;
 
-use crate::pod_proxy::PodProxy;
+use crate::pod_proxy::{Accepted, PodProxy};
 use cni_agent::zds::packet;
 
 /// Starts the in-pod listeners for a workload (the pod proxy, when it is wired in).
@@ -36,6 +36,12 @@ pub trait RunningProxy: Send {
     /// Connections accepted so far, for per-pod assertions.
     fn connections(&self) -> u64 {
         0
+    }
+
+    /// Each connection (or DNS datagram) accepted so far: listener port, peer, original
+    /// destination.
+    fn accepted(&self) -> Vec<Accepted> {
+        Vec::new()
     }
 }
 
@@ -52,6 +58,10 @@ impl ProxyFactory for PodProxies {
 impl RunningProxy for PodProxy {
     fn connections(&self) -> u64 {
         self.counts().values().sum::<usize>() as u64
+    }
+
+    fn accepted(&self) -> Vec<Accepted> {
+        PodProxy::accepted(self)
     }
 }
 
@@ -143,6 +153,10 @@ pub struct WorkloadStatus {
     pub netns_dev: u64,
     pub netns_ino: u64,
     pub connections: u64,
+    /// What the in-pod listeners accepted, in order: a test on another node (or process) sees
+    /// through the status file which listener took a connection, from where, and where it was
+    /// going (the proof that it was redirected, on the client's side and on the server's).
+    pub accepted: Vec<Accepted>,
 }
 
 impl WorkloadStatus {
@@ -194,6 +208,7 @@ impl State {
             .map(|(uid, w)| {
                 let mut s = w.status.clone();
                 s.connections = w.proxy.as_ref().map_or(0, |p| p.connections());
+                s.accepted = w.proxy.as_ref().map_or_else(Vec::new, |p| p.accepted());
                 (uid.clone(), s)
             })
             .collect();
@@ -677,6 +692,7 @@ async fn handle_add(
                 netns_dev: id.dev,
                 netns_ino: id.ino,
                 connections: 0,
+                accepted: Vec::new(),
             },
             netns,
             proxy,

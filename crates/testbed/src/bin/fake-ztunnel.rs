@@ -2,7 +2,10 @@
 //! that need a peer to crash or exit like ztunnel. Never shipped (`testing` feature only).
 //!
 //! Exits 1 on a ZDS protocol violation (as ztunnel does) and 0 on SIGTERM/SIGINT. Its view of
-//! the world is written as JSON to `--status-file` after every message.
+//! the world is written as JSON to `--status-file` after every message and every second: each
+//! workload with the connections its in-pod listeners accepted (`accepted`: listener `port`,
+//! `peer` address, `original_dst`), so a test on any node can tell which pod's proxy took a
+//! connection, from where and to where.
 //!
 //! `--control-file` steers a running peer (the real node's churn faults): the file's first line,
 //! read every 200 ms, is how Adds are answered from then on: `ack`, `nack TEXT`, `delay MS`
