@@ -90,6 +90,13 @@ pub fn values_args(istio: bool) -> Vec<String> {
 
 /// `helm <verb> istio-cni <chart>` with [`values_args`], then waits for the rollout.
 pub async fn helm_cni(node: &RealNode, verb: &str, istio: bool) {
+    helm_cni_with(node, verb, istio, &[]);
+    node.rollout("istio-cni-node").await;
+}
+
+/// `helm <verb> istio-cni <chart>` with [`values_args`] and then `extra` (more `--set`s, which
+/// win over the values before them); returns helm's output and does not wait for the rollout.
+pub fn helm_cni_with(node: &RealNode, verb: &str, istio: bool, extra: &[&str]) -> String {
     let chart = if istio {
         istio_chart()
     } else {
@@ -100,9 +107,9 @@ pub async fn helm_cni(node: &RealNode, verb: &str, istio: bool) {
         args.push("--create-namespace".into());
     }
     args.extend(values_args(istio));
+    args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    node.helm(&args);
-    node.rollout("istio-cni-node").await;
+    node.helm(&args)
 }
 
 /// The ztunnel-like peer (`deploy/node/ztunnel-peer.yaml`), rolled out.
