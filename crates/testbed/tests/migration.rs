@@ -50,7 +50,7 @@ const OURS_IMAGE: &str = "localhost/istio-cni-rs/install-cni:dev";
 /// The witness's port on each node's gateway (the pods' own witness uses the closed port 9).
 const WITNESS_PORT: u16 = 19;
 /// How often a pod is created while a switch runs.
-const CREATE_EVERY: Duration = Duration::from_millis(700);
+const CREATE_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Backend {
@@ -337,8 +337,8 @@ fn ls(node: &RealNode, path: &str) -> String {
     }
 }
 
-/// What is in a pod's network namespace of either agent: iptables `ISTIO_*` in either variant,
-/// nftables tables, policy rules and routes beyond the main table.
+/// What is in a pod's network namespace of either agent: iptables `ISTIO_*` chains and rules in
+/// either variant, our nftables tables, policy rules and routes beyond the main table.
 fn pod_state(node: &RealNode, uid: &str) -> String {
     let netns = node.pod_netns(uid).expect("the pod's netns");
     let rules = pod_rules(node, uid);
@@ -349,7 +349,13 @@ fn pod_state(node: &RealNode, uid: &str) -> String {
             s.push('\n');
         }
     }
-    s += &netns_exec(&netns, "nft", &["list", "tables"]);
+    // iptables-nft's own tables (`ip nat`, ...) stay once created, empty: only ours count.
+    for l in netns_exec(&netns, "nft", &["list", "tables"]).lines() {
+        if l.contains("istio") {
+            s += l;
+            s.push('\n');
+        }
+    }
     for l in netns_exec(&netns, "ip", &["rule", "list"]).lines() {
         if ![
             "from all lookup local",
@@ -395,23 +401,26 @@ async fn migration(ours: Backend) -> Vec<Row> {
     node.namespace("mesh", true).await;
     node.namespace("side", false).await;
     let mut nodes = Vec::new();
-    for n in nodes_list {
-        nodes.push(NodeUnderTest::new(n, GATEWAY).await);
-    }
-    for n in nodes.iter_mut() {
+    for node in nodes_list {
+        let gateway = GATEWAY;
         let mut uids = Vec::new();
         for i in 0..3 {
             let name = format!("istio-{i}");
             uids.push((
                 name.clone(),
-                create(n.node, "mesh", witness_pod_to(&name, n.gateway)).await,
+                create(node, "mesh", witness_pod_to(&name, gateway)).await,
             ));
         }
-        create(n.node, "side", sidecar_pod("sidecar-0", n.gateway)).await;
+        create(node, "side", sidecar_pod("sidecar-0", gateway)).await;
+        // The bridge, and with it the gateway address the witness listens on, comes with the
+        // node's first pod.
+        wait_running(node, "mesh", "istio-0").await;
+        let mut n = NodeUnderTest::new(node, gateway).await;
         for (name, uid) in uids {
             n.adopt_ambient(&name, &uid, "Istio's agent").await;
         }
         n.adopt_sidecar("sidecar-0").await;
+        nodes.push(n);
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     for n in &nodes {
@@ -528,7 +537,17 @@ async fn migration(ours: Backend) -> Vec<Row> {
     }
     node.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
     node.eventually("the agent's pod gone", Duration::from_secs(60), || async {
-        agent_state(&node).pods.is_empty().then_some(())
+        let pods = node.kubectl(&[
+            "-n",
+            "istio-system",
+            "get",
+            "pods",
+            "-l",
+            "k8s-app=istio-cni-node",
+            "-o",
+            "name",
+        ]);
+        pods.trim().is_empty().then_some(())
     })
     .await;
     let end_conflist = node.read(CONFLIST).unwrap();
