@@ -197,6 +197,14 @@ pub async fn run(
     }
     // Let the ZDS server close its connections and unlink its socket.
     tokio::time::sleep(Duration::from_millis(50)).await;
+    // After the servers stopped, so no ADD records one again.
+    if requested && node.is_some() {
+        let removed = crate::ambient::hints::NetnsHints::new(&run_dir).clear();
+        tracing::info!(
+            removed,
+            "removed the netns hints (the next agent may not know them)"
+        );
+    }
     result
 }
 

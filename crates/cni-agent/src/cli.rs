@@ -86,6 +86,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         return run_agent(cli, cfg).await;
     }
     tracing::info!(?cfg, "installer configuration");
+    let run_dir = cfg.run_dir.clone();
     let mut installer = Installer::new(cfg);
     match cli.command {
         Some(Command::Install { once: true }) => {
@@ -95,7 +96,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             println!("{}", path.display());
         }
-        Some(Command::Uninstall) => installer.uninstall()?,
+        Some(Command::Uninstall) => {
+            crate::ambient::hints::NetnsHints::new(&run_dir).clear();
+            installer.uninstall()?;
+        }
         _ => {
             let result = tokio::select! {
                 r = installer.run() => r,

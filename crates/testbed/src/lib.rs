@@ -13,4 +13,5 @@ pub mod node;
 pub mod pod_proxy;
 pub mod real_node;
 pub mod relay;
+pub mod switch;
 pub mod zds_peer;

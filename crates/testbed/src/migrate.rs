@@ -93,8 +93,24 @@ pub async fn helm_cni(node: &RealNode, verb: &str, istio: bool) {
     helm_cni_with(node, verb, istio, &[]).await;
 }
 
-/// [`helm_cni`] with `extra` helm arguments after the values (e.g. [`ON_DELETE`]).
+/// [`helm_cni`] with `extra` helm arguments after the values (e.g. [`ON_DELETE`]), then waits
+/// for the agents.
 pub async fn helm_cni_with(node: &RealNode, verb: &str, istio: bool, extra: &[&str]) {
+    helm_cni_run(node, verb, istio, extra);
+    if extra
+        .iter()
+        .any(|a| a.ends_with("updateStrategy.type=OnDelete"))
+    {
+        // No rollout to wait for (kubectl's `rollout status` knows only RollingUpdate).
+        wait_agents_ready(node).await;
+    } else {
+        node.rollout("istio-cni-node").await;
+    }
+}
+
+/// `helm <verb> istio-cni <chart>` with [`values_args`] and then `extra` (more `--set`s, which
+/// win over the values before them); returns helm's output and does not wait for the rollout.
+pub fn helm_cni_run(node: &RealNode, verb: &str, istio: bool, extra: &[&str]) -> String {
     let chart = if istio {
         istio_chart()
     } else {
@@ -105,18 +121,9 @@ pub async fn helm_cni_with(node: &RealNode, verb: &str, istio: bool, extra: &[&s
         args.push("--create-namespace".into());
     }
     args.extend(values_args(istio));
-    args.extend(extra.iter().map(|a| a.to_string()));
+    args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    node.helm(&args);
-    if extra
-        .iter()
-        .any(|a| a.ends_with("updateStrategy.type=OnDelete"))
-    {
-        // No rollout to wait for (kubectl's `rollout status` knows only RollingUpdate).
-        wait_agents_ready(node).await;
-    } else {
-        node.rollout("istio-cni-node").await;
-    }
+    node.helm(&args)
 }
 
 /// Waits until the agent DaemonSet's controller saw its current spec and every scheduled agent

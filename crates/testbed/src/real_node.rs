@@ -42,11 +42,43 @@ pub const PEER_STATUS: &str = "/run/ztunnel-peer/status.json";
 pub const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
 /// The annotation the agent sets on the pods it redirected.
 pub const REDIRECTION: &str = "ambient.istio.io/redirection";
-/// A witness pod's first act: connect to a closed port on the node (the bridge gateway).
-/// Redirected, the connection lands on a proxy listener in the pod and succeeds
-/// (`REDIRECTED`); unredirected it is refused (`DIRECT`).
+/// The node's bridge gateway (its pod CIDR's first address), the [`WITNESS`]'s target.
+pub const GATEWAY: &str = "10.244.0.1";
+/// A witness pod's first act: connect to a closed port on the node (the bridge gateway,
+/// [`GATEWAY`]; [`witness_script`] for another node's). Redirected, the connection lands on a
+/// proxy listener in the pod and succeeds (`REDIRECTED`); unredirected it is refused (`DIRECT`).
 pub const WITNESS: &str =
     "if nc -w 2 10.244.0.1 9 </dev/null; then echo REDIRECTED; else echo DIRECT; fi";
+
+/// The [`WITNESS`] against the gateway `gateway` (a node's bridge address).
+pub fn witness_script(gateway: &str) -> String {
+    format!("if nc -w 2 {gateway} 9 </dev/null; then echo REDIRECTED; else echo DIRECT; fi")
+}
+
+/// An injected sidecar pod: Istio's status annotation and an `istio-proxy` container, which here
+/// listens on the sidecar's outbound port 15001 where Envoy would. The app retries its witness
+/// (against `gateway`, the node's bridge address) for a few seconds, as its proxy container
+/// starts after it, then prints it and sleeps.
+pub fn sidecar_pod(name: &str, gateway: &str) -> serde_json::Value {
+    let retried = format!(
+        "for i in 1 2 3 4 5 6 7 8 9 10; do nc -w 1 {gateway} 9 </dev/null && break; sleep 0.5; done; \
+         {}; sleep 3600",
+        witness_script(gateway)
+    );
+    let mut p = busybox_pod(name, &["sh", "-c", &retried]);
+    p["metadata"]["annotations"] =
+        serde_json::json!({"sidecar.istio.io/status": "{\"containers\":[\"istio-proxy\"]}"});
+    p["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "name": "istio-proxy",
+            "image": "localhost/istio-cni-rs/busybox:dev",
+            "imagePullPolicy": "Never",
+            "command": ["nc", "-ll", "-p", "15001", "-e", "true"]
+        }));
+    p
+}
 
 /// A busybox pod of the node's image whose one container `app` runs `command`.
 pub fn busybox_pod(name: &str, command: &[&str]) -> serde_json::Value {
@@ -806,4 +838,12 @@ pub fn processes_under(dir: &std::path::Path) -> Vec<String> {
                 .then(|| String::from_utf8_lossy(&cmdline).replace('\0', " "))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_witness_is_the_script_against_the_gateway() {
+        assert_eq!(super::WITNESS, super::witness_script(super::GATEWAY));
+    }
 }

@@ -345,8 +345,20 @@ async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
         "istio-system",
     );
 
-    // Upgrade: the DaemonSet still exists, so the plugin and its config entry stay.
+    let (pod, r) = node.create_pod("mesh", "before-upgrade", &[]).await;
+    r.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    assert!(
+        node.path("run/netns").join(&pod.uid).exists(),
+        "no netns hint"
+    );
+
+    // Upgrade: the DaemonSet still exists, so the plugin and its config entry stay; the netns
+    // hints go (the next agent may be Istio's, which would leave them behind forever).
     assert!(node.stop_agent().success(), "{}", node.agent_log());
+    assert!(
+        !node.path("run/netns").exists(),
+        "netns hints left after a requested stop"
+    );
     assert!(
         node.conflist().contains("istio-cni"),
         "plugin entry removed on upgrade"
@@ -371,6 +383,10 @@ async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
     assert!(
         !node.conflist().contains("istio-cni"),
         "plugin entry left after uninstall"
+    );
+    assert!(
+        !node.path("run/netns").exists(),
+        "netns hints left after uninstall"
     );
     assert!(!node.path("bin/istio-cni").exists());
 }

@@ -18,9 +18,9 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use testbed::real_node::{
-    CHART, CONFLIST, NODE_NAME, REDIRECTION, RealNode, VALUES, WITNESS, ZTUNNEL, annotation,
-    busybox_pod, create, get, label_namespace, processes_under, running, wait_redirection,
-    wait_running, witness, witness_pod as pod,
+    CHART, CONFLIST, GATEWAY, NODE_NAME, REDIRECTION, RealNode, VALUES, ZTUNNEL, annotation,
+    busybox_pod, create, get, label_namespace, processes_under, running, sidecar_pod,
+    wait_redirection, wait_running, witness, witness_pod as pod,
 };
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
@@ -32,27 +32,6 @@ fn repo_path(p: &str) -> String {
 
 async fn namespace(node: &RealNode, name: &str, ambient: bool) {
     node.namespace(name, ambient).await
-}
-
-/// An injected sidecar pod: Istio's status annotation and an `istio-proxy` container, which here
-/// listens on the sidecar's outbound port 15001 where Envoy would.
-/// The app retries its witness for a few seconds: its proxy container starts after it.
-fn sidecar_pod(name: &str) -> Value {
-    let mut p = pod(name, "sleep 3600");
-    p["metadata"]["annotations"] =
-        json!({"sidecar.istio.io/status": "{\"containers\":[\"istio-proxy\"]}"});
-    let retried = format!(
-        "for i in 1 2 3 4 5 6 7 8 9 10; do nc -w 1 10.244.0.1 9 </dev/null && break; sleep 0.5; done; \
-         {WITNESS}; sleep 3600"
-    );
-    p["spec"]["containers"][0]["command"] = json!(["sh", "-c", retried]);
-    p["spec"]["containers"].as_array_mut().unwrap().push(json!({
-        "name": "istio-proxy",
-        "image": "localhost/istio-cni-rs/busybox:dev",
-        "imagePullPolicy": "Never",
-        "command": ["nc", "-ll", "-p", "15001", "-e", "true"]
-    }));
-    p
 }
 
 /// The peer's view: pod UID → (state, connections through its listeners).
@@ -130,7 +109,7 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     .await;
     let client = create(&node, "mesh", pod("client", "sleep 3600")).await;
     let plain = create(&node, "plain", pod("plain", "sleep 3600")).await;
-    create(&node, "plain", sidecar_pod("sidecar")).await;
+    create(&node, "plain", sidecar_pod("sidecar", GATEWAY)).await;
     let server_pod = wait_running(&node, "mesh", "server").await;
     assert_eq!(
         server_pod.spec.as_ref().unwrap().node_name.as_deref(),

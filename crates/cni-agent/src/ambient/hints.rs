@@ -5,8 +5,9 @@
 //! layouts and needs a process in the pod. A hint is checked before use exactly like a /proc
 //! candidate (it must be a network namespace holding one of the pod's IPs), so a stale or reused
 //! path can never pair a pod with another pod's namespace; /proc stays the fallback. The run dir is
-//! a tmpfs on the host, so hints survive agent restarts and upgrades but not node reboots, like the
-//! namespaces they point to.
+//! a tmpfs on the host, so hints survive an agent's crash and restart but not node reboots, like
+//! the namespaces they point to. Every requested stop (upgrade, uninstall) deletes them
+//! ([`NetnsHints::clear`]): the next agent may be Istio's, which would leave them behind.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -106,6 +107,26 @@ impl NetnsHints {
                 tracing::info!(file = %name, "removed the netns hint of a pod that is gone");
             }
         }
+    }
+
+    /// Deletes every hint and their directory; returns how many files went. Every requested stop
+    /// (upgrade, uninstall, reboot) does it: the next agent may be Istio's, which neither reads
+    /// nor removes them, so after a rollback and a final uninstall nothing of ours would be left
+    /// otherwise. Our next agent finds the running pods through /proc, as Istio's does.
+    pub fn clear(&self) -> usize {
+        self.unwritten.lock().unwrap().clear();
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        // `remove_file` unlinks: a symlink planted here is removed, never followed.
+        let removed = dir
+            .flatten()
+            .filter(|e| std::fs::remove_file(e.path()).is_ok())
+            .count();
+        if let Err(e) = std::fs::remove_dir(&self.dir) {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove the netns hint directory");
+        }
+        removed
     }
 
     pub fn forget(&self, uid: &str) {
@@ -215,6 +236,27 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["fresh", "live"]);
+    }
+
+    #[test]
+    fn clear_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let hints = NetnsHints::new(dir.path());
+        for uid in ["a", "b"] {
+            hints.record(uid, "/proc/self/ns/net");
+        }
+        std::fs::write(dir.path().join("netns/.half.tmp"), "/proc/").unwrap();
+        // Pending (unwritten) hints are dropped too: nothing is written after a stop.
+        std::fs::create_dir(dir.path().join("netns/c")).unwrap();
+        hints.record("c", "/proc/self/ns/net");
+        std::fs::remove_dir(dir.path().join("netns/c")).unwrap();
+        assert_eq!(hints.clear(), 3);
+        assert!(!dir.path().join("netns").exists());
+        assert_eq!(hints.write_pending(), 0);
+        assert!(!dir.path().join("netns").exists());
+        assert_eq!(hints.clear(), 0, "clearing nothing");
+        // The run dir itself (Istio's files live there too) stays.
+        assert!(dir.path().exists());
     }
 
     #[test]

@@ -201,10 +201,9 @@ impl NodeDataplane {
         }
     }
 
-    /// Host probe rules and an empty probe set (startup re-adds the enrolled pods' IPs); the
-    /// other backend's host state goes.
+    /// Host probe rules and an empty probe set (startup re-adds the enrolled pods' IPs); then the
+    /// other backend's host state goes (after: kubelet's probes stay SNATed throughout a switch).
     pub fn setup_host(&self) -> Result<(), BoxError> {
-        self.clear_host_leftovers()?;
         match &self.backend {
             Backend::Iptables { backend: b, .. } => {
                 dataplane::host::apply_rules(&self.host, b, &self.cfg)?;
@@ -217,7 +216,7 @@ impl NodeDataplane {
                 dataplane::nft::host::apply_host_rules(&self.host, host)?
             }
         }
-        Ok(())
+        self.clear_host_leftovers()
     }
 
     /// Removes the host rules and the probe sets, of both backends (uninstall; an upgrade keeps
@@ -251,11 +250,14 @@ impl PodRules for NodeDataplane {
         self.rules().name()
     }
 
+    /// The backend in use first, then the previous backend's rules go: both redirect the same
+    /// way, so the pod is redirected throughout a switch (removing first left a window with no
+    /// rules at all, in which connections the pod opened went direct).
     fn enroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError> {
         // One thread in the pod for both steps (nested runs happen in place).
         netns.run(|| {
-            self.clear_pod_leftovers(netns)?;
-            Ok(dataplane::pod::enroll(netns, cfg, self.rules())?)
+            dataplane::pod::enroll(netns, cfg, self.rules())?;
+            self.clear_pod_leftovers(netns)
         })?
     }
 

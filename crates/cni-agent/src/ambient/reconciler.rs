@@ -259,9 +259,42 @@ impl Reconciler {
                         },
                     }
                 }
+                if !enrolled && self.enrolled_elsewhere(&current, &cur_f, &scope).await {
+                    tracing::info!(pod = ?key, "adopting a pod the previous agent enrolled");
+                    self.mesh.add(&current, &cur_f.ips, None).await?;
+                    enrolled = true;
+                }
                 Ok(enrolled)
             }
         }
+    }
+
+    /// A pod another agent enrolled after this one's startup restore (the previous agent's last
+    /// ADDs during a handover): annotated `enabled` and selected, but neither its ADD nor the
+    /// restore told this agent about it. Without adoption its rules would never be checked or
+    /// moved to this agent's backend, and ztunnel's snapshots from here would leave it out.
+    async fn enrolled_elsewhere(
+        &self,
+        pod: &Pod,
+        f: &cni_core::reconcile::PodFacts,
+        scope: &Scope<'_>,
+    ) -> bool {
+        let Some(uid) = pod.metadata.uid.as_deref() else {
+            return false;
+        };
+        if f.terminal
+            || f.ips.is_empty()
+            || f.redirection() != cni_core::reconcile::Redirection::Enabled
+            || !cni_core::reconcile::eligibility(&f.view, scope).is_selected()
+            || self.mesh.cache.get(uid).is_some()
+            || self.mesh.finished.contains(uid)
+        {
+            return false;
+        }
+        // Our own ADD annotates while it holds the pod's lock, and caches the pod before letting
+        // go: under the lock, an uncached pod is not one of ours.
+        let _pod = self.mesh.locks.lock(uid).await;
+        self.mesh.cache.get(uid).is_none()
     }
 
     fn scope<'a>(&'a self, namespace: &str, labels: &'a cni_core::enroll::Labels) -> Scope<'a> {
