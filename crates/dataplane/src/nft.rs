@@ -9,7 +9,7 @@ mod expr;
 pub mod host;
 pub mod wire;
 
-use std::sync::{OnceLock, mpsc};
+use std::sync::{Mutex, OnceLock, PoisonError, mpsc};
 
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::nft::{INPOD_TABLES, Ruleset, diff, inpod_ruleset};
@@ -53,6 +53,65 @@ pub fn with_socket<T: Send>(
         res
     })?;
     Ok(res?)
+}
+
+/// Where nftables requests go: a fresh socket in a namespace ([`Netns`]), or one kept open
+/// ([`KeptSocket`]).
+pub trait NftAccess {
+    fn with_sock<T: Send>(
+        &self,
+        f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
+    ) -> Result<T, NftError>;
+}
+
+impl NftAccess for Netns {
+    fn with_sock<T: Send>(
+        &self,
+        f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
+    ) -> Result<T, NftError> {
+        with_socket(self, f)
+    }
+}
+
+/// An nfnetlink socket opened once in a namespace and kept, for the namespace changed on every
+/// pod add (the host's probe sets): no thread into the namespace and no socket set-up and close
+/// per change. Requests take turns. A socket that failed below the kernel's answers (a lost or
+/// undecodable reply) is replaced by a fresh one at the next request.
+pub struct KeptSocket {
+    netns: Netns,
+    sock: Mutex<Option<NetlinkSocket>>,
+}
+
+impl KeptSocket {
+    pub fn new(netns: &Netns) -> std::io::Result<Self> {
+        Ok(KeptSocket {
+            netns: netns.try_clone()?,
+            sock: Mutex::new(None),
+        })
+    }
+}
+
+impl NftAccess for KeptSocket {
+    fn with_sock<T: Send>(
+        &self,
+        f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
+    ) -> Result<T, NftError> {
+        let mut kept = self.sock.lock().unwrap_or_else(PoisonError::into_inner);
+        let sock = match kept.take() {
+            Some(sock) => kept.insert(sock),
+            None => kept.insert(
+                self.netns
+                    .run(|| NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER))??,
+            ),
+        };
+        let result = f(sock);
+        if matches!(result, Err(NetlinkError::Io(_) | NetlinkError::Decode(_)))
+            && let Some(sock) = kept.take()
+        {
+            close_later(sock);
+        }
+        Ok(result?)
+    }
 }
 
 /// Closing an nfnetlink socket makes the kernel first finish freeing whatever earlier commits

@@ -17,7 +17,7 @@ use netlink_packet_netfilter::nftables::{
 };
 
 use super::wire::{Batch, change, find_tlv, nul_terminated, push_tlv, string_of};
-use super::{NftError, with_socket};
+use super::{NftAccess, NftError, with_socket};
 use crate::netlink::{NetlinkError, NetlinkSocket};
 use crate::netns::Netns;
 use netlink_packet_core::NLM_F_EXCL;
@@ -121,8 +121,8 @@ impl ProbeSets {
 
     /// Adds `ip` tagged with `pod_uid`, replacing the tag of an existing entry, in one batch.
     /// Returns false when the address was skipped (IPv6 disabled).
-    pub fn upsert(&self, netns: &Netns, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
-        Ok(self.upsert_many(netns, &[(ip, pod_uid)])? > 0)
+    pub fn upsert(&self, at: &impl NftAccess, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
+        Ok(self.upsert_many(at, &[(ip, pod_uid)])? > 0)
     }
 
     /// [`upsert`](Self::upsert) for many entries (agent restart restores every enrolled pod at
@@ -138,7 +138,7 @@ impl ProbeSets {
     /// at once overflow the socket's receive buffer (`ENOBUFS`, seen with 250 pods).
     pub fn upsert_many(
         &self,
-        netns: &Netns,
+        at: &impl NftAccess,
         entries: &[(IpAddr, &str)],
     ) -> Result<usize, NftError> {
         let elems: Vec<(String, IpAddr, String)> = entries
@@ -154,7 +154,7 @@ impl ProbeSets {
             return Ok(0);
         }
         let sets = self.set_names();
-        with_socket(netns, move |sock| {
+        at.with_sock(move |sock| {
             let todo: Vec<(String, IpAddr, String)> = if elems.len() > 1 {
                 let mut present = HashSet::new();
                 for set in &sets {
@@ -181,9 +181,9 @@ impl ProbeSets {
             .collect()
     }
 
-    pub fn list(&self, netns: &Netns) -> Result<Vec<ProbeEntry>, NftError> {
+    pub fn list(&self, at: &impl NftAccess) -> Result<Vec<ProbeEntry>, NftError> {
         let sets = self.set_names();
-        with_socket(netns, move |sock| {
+        at.with_sock(move |sock| {
             let mut out = Vec::new();
             for set in &sets {
                 out.extend(list_set(sock, set)?);
@@ -194,36 +194,36 @@ impl ProbeSets {
 
     /// Deletes `ip` only if it is tagged with `pod_uid` (another pod may own the IP by now).
     /// Returns whether an entry was removed.
-    pub fn remove(&self, netns: &Netns, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
+    pub fn remove(&self, at: &impl NftAccess, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
         let ip = ip.to_canonical();
         let found = self
-            .list(netns)?
+            .list(at)?
             .into_iter()
             .any(|e| e.ip == ip && e.pod_uid == pod_uid);
         if !found {
             return Ok(false);
         }
-        self.delete(netns, &[ip])?;
+        self.delete(at, &[ip])?;
         Ok(true)
     }
 
     /// Deletes every entry whose address is not in `keep`; returns the deleted entries.
     pub fn prune(
         &self,
-        netns: &Netns,
+        at: &impl NftAccess,
         keep: &HashSet<IpAddr>,
     ) -> Result<Vec<ProbeEntry>, NftError> {
         let stale: Vec<ProbeEntry> = self
-            .list(netns)?
+            .list(at)?
             .into_iter()
             .filter(|e| !keep.contains(&e.ip))
             .collect();
         let ips: Vec<IpAddr> = stale.iter().map(|e| e.ip).collect();
-        self.delete(netns, &ips)?;
+        self.delete(at, &ips)?;
         Ok(stale)
     }
 
-    fn delete(&self, netns: &Netns, ips: &[IpAddr]) -> Result<(), NftError> {
+    fn delete(&self, at: &impl NftAccess, ips: &[IpAddr]) -> Result<(), NftError> {
         let msgs: Vec<_> = ips
             .iter()
             .filter_map(|ip| {
@@ -231,7 +231,7 @@ impl ProbeSets {
                 Some(change(element_msg(&set, vec![vec![key(*ip)]], true), 0))
             })
             .collect();
-        with_socket(netns, move |sock| {
+        at.with_sock(move |sock| {
             let mut msgs = msgs.into_iter().peekable();
             while msgs.peek().is_some() {
                 let mut batch = Batch::default();
