@@ -182,6 +182,12 @@ impl Netns {
             .map(drop)
     }
 
+    /// Whether the calling thread is a [`run`](Self::run) thread inside this namespace (where a
+    /// nested `run` runs in place).
+    pub fn entered_here(&self) -> bool {
+        ENTERED.get() == Some(self.id)
+    }
+
     /// The user namespace that owns this network namespace, when it is not the caller's (a pod
     /// with `hostUsers: false`).
     pub fn foreign_owner(&self) -> io::Result<Option<OwnedFd>> {

@@ -41,11 +41,44 @@ impl From<NftError> for RuleError {
     }
 }
 
-/// Runs `f` with a fresh nfnetlink socket that lives in `netns`.
+thread_local! {
+    /// The nfnetlink socket of the namespace a [`Netns::run`] thread entered: the steps of one
+    /// pod operation (the previous backend's check, the read, the commit) share it. Closed
+    /// through the reaper when the thread exits.
+    static ENTERED_SOCKET: std::cell::RefCell<Reaped> = const { std::cell::RefCell::new(Reaped(None)) };
+}
+
+/// A socket closed by [`close_later`] when dropped.
+struct Reaped(Option<NetlinkSocket>);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(sock) = self.0.take() {
+            close_later(sock);
+        }
+    }
+}
+
+/// Runs `f` with an nfnetlink socket that lives in `netns`: on a thread that entered `netns`,
+/// the thread's own (opened at first use), else a fresh one.
 pub fn with_socket<T: Send>(
     netns: &Netns,
     f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
 ) -> Result<T, NftError> {
+    if netns.entered_here() {
+        let mut sock = match ENTERED_SOCKET.with_borrow_mut(|kept| kept.0.take()) {
+            Some(sock) => sock,
+            None => NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER)?,
+        };
+        let res = f(&mut sock);
+        if matches!(res, Err(NetlinkError::Io(_) | NetlinkError::Decode(_))) {
+            // Possibly unread replies: not for the next step.
+            close_later(sock);
+        } else {
+            ENTERED_SOCKET.with_borrow_mut(|kept| kept.0 = Some(sock));
+        }
+        return Ok(res?);
+    }
     let res = netns.run(|| {
         let mut sock = NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER)?;
         let res = f(&mut sock);
