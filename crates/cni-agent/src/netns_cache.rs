@@ -81,22 +81,13 @@ impl NetnsCache {
     /// device) the cached handle is kept and the new one closed, so fds do not pile up on repeated
     /// adds; a different namespace (sandbox recreated) replaces it. Returns the handle in use.
     pub fn upsert(&self, uid: &str, workload: WorkloadInfo, netns: Netns) -> Arc<Netns> {
-        self.upsert_shared(uid, workload, Arc::new(netns))
-    }
-
-    /// [`upsert`](Self::upsert) of a handle already shared.
-    pub fn upsert_shared(
-        &self,
-        uid: &str,
-        workload: WorkloadInfo,
-        netns: Arc<Netns>,
-    ) -> Arc<Netns> {
         let mut pods = self.lock();
         let entry = pods.entry(uid.to_string()).or_default();
         entry.workload = Some(workload);
         match &entry.netns {
             Some(cached) if cached.id() == netns.id() => cached.clone(),
             _ => {
+                let netns = Arc::new(netns);
                 entry.netns = Some(netns.clone());
                 netns
             }

@@ -118,13 +118,6 @@ impl NetnsHints {
     /// Opens the hinted namespace (under `host_prefix`) if it is a network namespace that holds
     /// one of `ips`; `None` otherwise (no hint, gone, reused by another pod, or no IPs to check).
     pub fn open_verified(&self, uid: &str, ips: &[IpAddr], host_prefix: &Path) -> Option<Netns> {
-        let netns = self.open_unverified(uid, ips, host_prefix)?;
-        verify_owner(uid, &netns, ips).then_some(netns)
-    }
-
-    /// The namespace the hint names, opened (under `host_prefix`) but not yet checked: the
-    /// caller must [`verify_owner`] it before using it.
-    pub fn open_unverified(&self, uid: &str, ips: &[IpAddr], host_prefix: &Path) -> Option<Netns> {
         if !valid_uid(uid) || ips.is_empty() {
             tracing::debug!(uid, ?ips, "no netns hint check: invalid uid or no pod IPs");
             return None;
@@ -137,28 +130,23 @@ impl NetnsHints {
         {
             return None;
         }
-        match HostNetns.open(&host_prefix.join(relative)) {
-            Ok(ns) => Some(ns),
+        let netns = match HostNetns.open(&host_prefix.join(relative)) {
+            Ok(ns) => ns,
             Err(e) => {
                 tracing::debug!(uid, path = %path.trim(), error = %e, "netns hint not usable");
+                return None;
+            }
+        };
+        match HostNetns.owns(&netns, ips) {
+            Ok(true) => Some(netns),
+            Ok(false) => {
+                tracing::warn!(uid, path = %path.trim(), "netns hint no longer holds the pod's IPs; ignoring it");
                 None
             }
-        }
-    }
-}
-
-/// Whether a hinted namespace still holds one of the pod's `ips` (a namespace file can outlive
-/// its pod and be reused). Enters `netns`, in place on a thread already inside it.
-pub fn verify_owner(uid: &str, netns: &Netns, ips: &[IpAddr]) -> bool {
-    match HostNetns.owns(netns, ips) {
-        Ok(true) => true,
-        Ok(false) => {
-            tracing::warn!(uid, "netns hint no longer holds the pod's IPs; ignoring it");
-            false
-        }
-        Err(e) => {
-            tracing::warn!(uid, error = %e, "cannot check netns hint");
-            false
+            Err(e) => {
+                tracing::warn!(uid, error = %e, "cannot check netns hint");
+                None
+            }
         }
     }
 }

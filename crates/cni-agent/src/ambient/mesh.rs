@@ -663,7 +663,7 @@ impl Mesh {
                 ),
             );
         }
-        // The probe set (host) and the pods' namespaces are independent: both at once.
+        // The host's probe set and the pods' namespaces are independent: both at once.
         let probes = async {
             if let Err(e) = self.upsert_probes(entries).await {
                 tracing::warn!(error = %e, "cannot restore the probe set entries of enrolled pods");
@@ -678,30 +678,40 @@ impl Mesh {
             }
         };
         let started = Instant::now();
-        let hinted = async {
+        let namespaces = async {
             use futures::StreamExt;
-            // Each pod's hinted namespace is opened, its IPs checked and its rules verified (and
-            // repaired) on one thread inside it.
-            let checks: Vec<_> = wanted
+            let lookups: Vec<_> = wanted
                 .iter()
-                .map(|(uid, (pod, w))| self.restore_hinted(uid, pod, w, reconcile))
+                .map(|(uid, (_, w))| {
+                    let (hints, prefix) = (self.hints.clone(), self.host_prefix.clone());
+                    let (uid, ips) = (uid.clone(), w.ips.clone());
+                    async move {
+                        tokio::task::spawn_blocking(move || {
+                            hints.open_verified(&uid, &ips, &prefix).map(|ns| (uid, ns))
+                        })
+                        .await
+                        .ok()
+                        .flatten()
+                    }
+                })
                 .collect();
-            let found: Vec<Option<String>> = futures::stream::iter(checks)
+            let hits: Vec<Option<(String, Netns)>> = futures::stream::iter(lookups)
                 .buffer_unordered(PARALLEL_NETNS_WORK)
                 .collect()
                 .await;
-            found.into_iter().flatten().collect::<HashSet<String>>()
+            hits.into_iter()
+                .flatten()
+                .collect::<HashMap<String, Netns>>()
         };
-        let ((), hinted) = tokio::join!(probes, hinted);
+        let ((), mut found) = tokio::join!(probes, namespaces);
         let lookup: HashMap<String, WantedPod> = wanted
             .iter()
-            .filter(|(uid, _)| !hinted.contains(*uid))
+            .filter(|(uid, _)| !found.contains_key(*uid))
             .map(|(uid, (_, w))| (uid.clone(), w.clone()))
             .collect();
-        let mut found = HashMap::new();
         if !lookup.is_empty() {
             match self.discover(lookup).await {
-                Ok(more) => found = more,
+                Ok(more) => found.extend(more),
                 Err(e) => {
                     tracing::error!(error = %e, "netns discovery under /proc failed; those pods are kept, not re-handed")
                 }
@@ -710,9 +720,7 @@ impl Mesh {
         observe(&self.metrics.netns_resolve_seconds, started.elapsed());
         tracing::info!(
             enrolled = wanted.len(),
-            found = hinted.len() + found.len(),
-            by_hint = hinted.len(),
-            took = ?started.elapsed(),
+            found = found.len(),
             "restored enrolled pods"
         );
         let mut restored = Vec::new();
@@ -724,53 +732,17 @@ impl Mesh {
         }
         // A pod still redirected by the backend used before a switch is repaired either way:
         // left alone it would keep redirecting after it leaves the mesh.
-        if reconcile {
-            self.repair_drift(&restored).await;
+        let repaired = if reconcile {
+            self.repair_drift(&restored).await
         } else {
-            self.repair_where(&restored, true).await;
-        }
-    }
-
-    /// One enrolled pod at restore, through its netns hint: the namespace opened, checked to
-    /// still hold the pod's IPs, its rules checked (all of them with `reconcile`, else only for
-    /// the previous backend's) and repaired, on one thread inside it; then cached. Returns the
-    /// pod's UID when the hint held, else `None` (the caller looks under /proc).
-    async fn restore_hinted(
-        &self,
-        uid: &str,
-        pod: &Arc<Pod>,
-        wanted: &WantedPod,
-        reconcile: bool,
-    ) -> Option<String> {
-        let (hints, prefix, ips) = (
-            self.hints.clone(),
-            self.host_prefix.clone(),
-            wanted.ips.clone(),
-        );
-        let netns = Arc::new(hints.open_unverified(uid, &ips, &prefix)?);
-        let _pod_lock = self.locks.lock(uid).await;
-        let cfg = self.pod_config(pod).ok();
-        let rules = self.rules.clone();
-        let id = uid.to_string();
-        let checked = in_netns(&netns, move |netns| {
-            if !super::hints::verify_owner(&id, netns, &ips) {
-                return Ok(None);
-            }
-            let Some(cfg) = cfg else {
-                return Ok(Some(None));
-            };
-            check_and_repair(&*rules, netns, &cfg, !reconcile).map(Some)
-        })
-        .await;
-        let repaired = match checked {
-            Ok(None) => return None,
-            Ok(Some(state)) => Ok(state),
-            Err(e) => Err(e),
+            self.repair_where(&restored, true).await
         };
-        self.cache
-            .upsert_shared(uid, wanted.workload.clone(), netns);
-        self.report_repair(pod, repaired);
-        Some(uid.to_string())
+        tracing::info!(
+            checked = restored.len(),
+            repaired,
+            took = ?started.elapsed(),
+            "enrolled pods' rules checked"
+        );
     }
 
     /// Verifies the rules of every enrolled pod the agent holds a namespace for and re-applies
@@ -856,10 +828,15 @@ fn check_and_repair(
 
 /// Runs `f` inside `netns` on a thread of its own (see [`Netns::run_detached`]); the pod's rule
 /// work neither blocks a runtime worker nor waits for a pooled thread behind other pods.
+///
+/// At most one such thread per CPU at a time ([`netns_slots`]): the work is CPU-bound, and more
+/// threads than cores would only contend for the CPUs and the allocator's locks (musl's is
+/// global), as the two pooled threads never did.
 pub async fn in_netns<T: Send + 'static>(
     netns: &Arc<Netns>,
     f: impl FnOnce(&Netns) -> Result<T, BoxError> + Send + 'static,
 ) -> Result<T, BoxError> {
+    let _slot = netns_slots().acquire().await?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     netns.clone().run_detached(f, move |r| drop(tx.send(r)))?;
     match rx.await {
@@ -867,6 +844,15 @@ pub async fn in_netns<T: Send + 'static>(
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Err("netns thread panicked".into()),
     }
+}
+
+/// Pod namespace threads allowed at once: one per CPU, at least two.
+fn netns_slots() -> &'static tokio::sync::Semaphore {
+    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        tokio::sync::Semaphore::new(cpus.max(2))
+    })
 }
 
 /// Runs blocking `f` on a thread of its own, for host-side work that must not wait behind the
