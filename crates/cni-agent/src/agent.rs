@@ -287,6 +287,18 @@ async fn start_ambient(
     stopped: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<AmbientNode> {
     let cfg = setup.cfg;
+    // The watches' first lists (a TLS handshake and two LISTs) run while the host is set up:
+    // their events wait in the channel until the reconciler starts. On a restart the restore
+    // waits for both.
+    let cluster = Arc::new(Cluster::default());
+    let (tx, rx) = mpsc::unbounded_channel();
+    spawn_watches(
+        setup.client.clone(),
+        &cfg.node_name,
+        cluster.clone(),
+        tx.clone(),
+        readiness.condition("watches"),
+    );
     let host = if let Some(path) = &cfg.host_netns {
         dataplane::netns::Netns::open(path)?
     } else if cfg.switch_to_host_ns {
@@ -370,16 +382,6 @@ async fn start_ambient(
         exclude_namespaces: cfg.exclude_namespaces.clone(),
         system_namespace: cfg.system_namespace.clone(),
     });
-    let cluster = Arc::new(Cluster::default());
-
-    let (tx, rx) = mpsc::unbounded_channel();
-    spawn_watches(
-        setup.client.clone(),
-        &cfg.node_name,
-        cluster.clone(),
-        tx.clone(),
-        readiness.condition("watches"),
-    );
     let (restored_tx, restored_rx) = oneshot::channel();
     let reconciler = Reconciler {
         cache: cluster.clone(),

@@ -20,6 +20,8 @@ pub enum HostError {
     Spawn(std::io::Error),
     #[error("ipset {args}: {stderr}")]
     Ipset { args: String, stderr: String },
+    #[error(transparent)]
+    Nft(#[from] crate::nft::NftError),
 }
 
 fn families(cfg: &InpodConfig) -> Vec<Family> {

@@ -32,58 +32,52 @@ struct Variant {
 /// iptables state of a node now using nftables (every variant whose tools run here), or now
 /// using the other iptables variant ([`IptablesLeftovers::other_than`]).
 pub struct IptablesLeftovers {
-    variants: Vec<Variant>,
+    /// Found at first need (`--version` of each tool): most nodes never hold another
+    /// variant's tables, and then no tool runs at all.
+    variants: std::sync::OnceLock<Vec<Variant>>,
+    /// Legacy variants (true) or nft ones (false) are not wanted.
+    except: Option<bool>,
 }
 
 impl IptablesLeftovers {
     /// The usable variants other than the one the agent now drives.
     pub fn other_than(current: crate::iptables::detect::Variant) -> Self {
-        let mut all = Self::find();
-        all.variants
-            .retain(|v| v.legacy != (current == crate::iptables::detect::Variant::Legacy));
-        all
+        IptablesLeftovers {
+            variants: std::sync::OnceLock::new(),
+            except: Some(current == crate::iptables::detect::Variant::Legacy),
+        }
+    }
+
+    fn variants(&self) -> &[Variant] {
+        self.variants.get_or_init(|| {
+            let mut all = find_variants();
+            if let Some(legacy) = self.except {
+                all.retain(|v| v.legacy != legacy);
+            }
+            all
+        })
     }
 
     /// The variants held, as logs name them: `iptables-legacy`, `iptables-nft`.
     pub fn names(&self) -> String {
         let names: Vec<String> = self
-            .variants
+            .variants()
             .iter()
             .map(|v| v.backend.binaries().prefix.clone())
             .collect();
         names.join(", ")
     }
 
-    /// The usable variants among `iptables-legacy` and `iptables-nft` (plain `iptables` when
-    /// neither exists). Only `--version` runs: probing a table would load legacy modules.
+    /// Every usable variant, found when first needed.
     pub fn find() -> Self {
-        let mut variants = Vec::new();
-        for prefix in ["iptables-legacy", "iptables-nft", "iptables"] {
-            if prefix == "iptables" && !variants.is_empty() {
-                break;
-            }
-            let Ok(out) = std::process::Command::new(prefix).arg("--version").output() else {
-                continue;
-            };
-            if !out.status.success() {
-                continue;
-            }
-            let (variant, version) = parse_version(&String::from_utf8_lossy(&out.stdout));
-            let bins = Binaries {
-                prefix: prefix.to_string(),
-                variant,
-                version,
-            };
-            let legacy = variant == crate::iptables::detect::Variant::Legacy;
-            variants.push(Variant {
-                backend: IptablesBackend::new(bins, Some(DEFAULT_LOCK_DIR.into())),
-                legacy,
-            });
+        IptablesLeftovers {
+            variants: std::sync::OnceLock::new(),
+            except: None,
         }
-        IptablesLeftovers { variants }
     }
 
-    /// Variants that may hold state in `netns`, judged without running their tools.
+    /// Variants that may hold state in `netns`, judged without running their tools (nor
+    /// looking for them when the namespace holds no iptables table at all).
     fn candidates(&self, netns: &Netns) -> Result<Vec<&Variant>, NftError> {
         let (legacy_tables, nft_tables) = netns.run(|| -> Result<_, NftError> {
             // `thread-self`: the namespace this thread entered, not the main thread's.
@@ -96,8 +90,11 @@ impl IptablesLeftovers {
                 .any(|t| XTABLES.contains(&t.as_str()));
             Ok((legacy, nft))
         })??;
+        if !legacy_tables && !nft_tables {
+            return Ok(Vec::new());
+        }
         Ok(self
-            .variants
+            .variants()
             .iter()
             .filter(|v| if v.legacy { legacy_tables } else { nft_tables })
             .collect())
@@ -130,7 +127,7 @@ impl IptablesLeftovers {
     /// there were any. The probe ipsets stay: the variant in use refers to the same sets.
     pub fn clear_host_chains(&self, host: &Netns) -> Result<bool, HostError> {
         let mut found = false;
-        for v in &self.variants {
+        for v in self.candidates(host)? {
             let nothing = |_| Vec::new();
             if v.backend.verify_host(host, nothing, &|_| Ok(()))? != RuleState::InSync {
                 v.backend.converge_host(host, nothing, &|_| Ok(()))?;
@@ -146,6 +143,13 @@ impl IptablesLeftovers {
         let mut found = self.clear_host_chains(host)?;
         let sets = ProbeSet { host };
         for family in [Family::V4, Family::V6] {
+            // Asked over netlink first: the tool runs only for a set that is there.
+            let name = family.probe_set();
+            if with_socket(host, |sock| Ok(wire::ipset_exists(sock, &name))).ok()
+                == Some(Some(false))
+            {
+                continue;
+            }
             match sets.list(family) {
                 Ok(_) => {
                     sets.destroy(family)?;
@@ -159,6 +163,35 @@ impl IptablesLeftovers {
         }
         Ok(found)
     }
+}
+
+/// The usable variants among `iptables-legacy` and `iptables-nft` (plain `iptables` when
+/// neither exists). Only `--version` runs: probing a table would load legacy modules.
+fn find_variants() -> Vec<Variant> {
+    let mut variants = Vec::new();
+    for prefix in ["iptables-legacy", "iptables-nft", "iptables"] {
+        if prefix == "iptables" && !variants.is_empty() {
+            break;
+        }
+        let Ok(out) = std::process::Command::new(prefix).arg("--version").output() else {
+            continue;
+        };
+        if !out.status.success() {
+            continue;
+        }
+        let (variant, version) = parse_version(&String::from_utf8_lossy(&out.stdout));
+        let bins = Binaries {
+            prefix: prefix.to_string(),
+            variant,
+            version,
+        };
+        let legacy = variant == crate::iptables::detect::Variant::Legacy;
+        variants.push(Variant {
+            backend: IptablesBackend::new(bins, Some(DEFAULT_LOCK_DIR.into())),
+            legacy,
+        });
+    }
+    variants
 }
 
 /// Whether a pod namespace holds the nftables backend's tables.

@@ -155,6 +155,39 @@ impl Netns {
         })
     }
 
+    /// [`run`](Self::run) without waiting for it: `f` runs inside this namespace on a fresh OS
+    /// thread of its own, which hands the result to `done` and exits. For async callers: a
+    /// `spawn_blocking` around [`run`](Self::run) would hold a pooled thread (the agent has two)
+    /// only to wait for this one, so concurrent pod operations queued behind each other. If `f`
+    /// panics, `done` is dropped uncalled.
+    pub fn run_detached<T, F, D>(self: std::sync::Arc<Self>, f: F, done: D) -> io::Result<()>
+    where
+        F: FnOnce(&Netns) -> T + Send + 'static,
+        D: FnOnce(Result<T, NetnsError>) + Send + 'static,
+    {
+        std::thread::Builder::new()
+            .name("netns".into())
+            .spawn(move || {
+                let entered = setns(self.fd.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
+                    NetnsError::Enter {
+                        id: self.id,
+                        source,
+                    }
+                });
+                done(entered.map(|()| {
+                    ENTERED.set(Some(self.id));
+                    f(&self)
+                }));
+            })
+            .map(drop)
+    }
+
+    /// Whether the calling thread is a [`run`](Self::run) thread inside this namespace (where a
+    /// nested `run` runs in place).
+    pub fn entered_here(&self) -> bool {
+        ENTERED.get() == Some(self.id)
+    }
+
     /// The user namespace that owns this network namespace, when it is not the caller's (a pod
     /// with `hostUsers: false`).
     pub fn foreign_owner(&self) -> io::Result<Option<OwnedFd>> {

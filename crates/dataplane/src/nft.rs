@@ -9,7 +9,7 @@ mod expr;
 pub mod host;
 pub mod wire;
 
-use std::sync::{OnceLock, mpsc};
+use std::sync::{Mutex, OnceLock, PoisonError, mpsc};
 
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::nft::{INPOD_TABLES, Ruleset, diff, inpod_ruleset};
@@ -41,11 +41,44 @@ impl From<NftError> for RuleError {
     }
 }
 
-/// Runs `f` with a fresh nfnetlink socket that lives in `netns`.
+thread_local! {
+    /// The nfnetlink socket of the namespace a [`Netns::run`] thread entered: the steps of one
+    /// pod operation (the previous backend's check, the read, the commit) share it. Closed
+    /// through the reaper when the thread exits.
+    static ENTERED_SOCKET: std::cell::RefCell<Reaped> = const { std::cell::RefCell::new(Reaped(None)) };
+}
+
+/// A socket closed by [`close_later`] when dropped.
+struct Reaped(Option<NetlinkSocket>);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(sock) = self.0.take() {
+            close_later(sock);
+        }
+    }
+}
+
+/// Runs `f` with an nfnetlink socket that lives in `netns`: on a thread that entered `netns`,
+/// the thread's own (opened at first use), else a fresh one.
 pub fn with_socket<T: Send>(
     netns: &Netns,
     f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
 ) -> Result<T, NftError> {
+    if netns.entered_here() {
+        let mut sock = match ENTERED_SOCKET.with_borrow_mut(|kept| kept.0.take()) {
+            Some(sock) => sock,
+            None => NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER)?,
+        };
+        let res = f(&mut sock);
+        if matches!(res, Err(NetlinkError::Io(_) | NetlinkError::Decode(_))) {
+            // Possibly unread replies: not for the next step.
+            close_later(sock);
+        } else {
+            ENTERED_SOCKET.with_borrow_mut(|kept| kept.0 = Some(sock));
+        }
+        return Ok(res?);
+    }
     let res = netns.run(|| {
         let mut sock = NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER)?;
         let res = f(&mut sock);
@@ -53,6 +86,65 @@ pub fn with_socket<T: Send>(
         res
     })?;
     Ok(res?)
+}
+
+/// Where nftables requests go: a fresh socket in a namespace ([`Netns`]), or one kept open
+/// ([`KeptSocket`]).
+pub trait NftAccess {
+    fn with_sock<T: Send>(
+        &self,
+        f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
+    ) -> Result<T, NftError>;
+}
+
+impl NftAccess for Netns {
+    fn with_sock<T: Send>(
+        &self,
+        f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
+    ) -> Result<T, NftError> {
+        with_socket(self, f)
+    }
+}
+
+/// An nfnetlink socket opened once in a namespace and kept, for the namespace changed on every
+/// pod add (the host's probe sets): no thread into the namespace and no socket set-up and close
+/// per change. Requests take turns. A socket that failed below the kernel's answers (a lost or
+/// undecodable reply) is replaced by a fresh one at the next request.
+pub struct KeptSocket {
+    netns: Netns,
+    sock: Mutex<Option<NetlinkSocket>>,
+}
+
+impl KeptSocket {
+    pub fn new(netns: &Netns) -> std::io::Result<Self> {
+        Ok(KeptSocket {
+            netns: netns.try_clone()?,
+            sock: Mutex::new(None),
+        })
+    }
+}
+
+impl NftAccess for KeptSocket {
+    fn with_sock<T: Send>(
+        &self,
+        f: impl FnOnce(&mut NetlinkSocket) -> Result<T, NetlinkError> + Send,
+    ) -> Result<T, NftError> {
+        let mut kept = self.sock.lock().unwrap_or_else(PoisonError::into_inner);
+        let sock = match kept.take() {
+            Some(sock) => kept.insert(sock),
+            None => kept.insert(
+                self.netns
+                    .run(|| NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER))??,
+            ),
+        };
+        let result = f(sock);
+        if matches!(result, Err(NetlinkError::Io(_) | NetlinkError::Decode(_)))
+            && let Some(sock) = kept.take()
+        {
+            close_later(sock);
+        }
+        Ok(result?)
+    }
 }
 
 /// Closing an nfnetlink socket makes the kernel first finish freeing whatever earlier commits

@@ -118,6 +118,14 @@ fn host_state_of_either_backend_is_found_and_removed() {
     let ns = TestNetns::new("left-host");
     let hostns = ns.open();
     let leftovers = IptablesLeftovers::find();
+    // Asked over netlink, so a fresh host runs no ipset tool.
+    let ipset_exists = |name: &str| {
+        dataplane::nft::with_socket(&hostns, |sock| {
+            Ok(dataplane::nft::wire::ipset_exists(sock, name))
+        })
+        .unwrap()
+    };
+    assert_eq!(ipset_exists("istio-inpod-probes-v4"), Some(false));
     assert!(!leftovers.clear_host(&hostns).unwrap(), "fresh host");
 
     let old = IptablesBackend::detect(Some("nft"), true).unwrap();
@@ -125,6 +133,7 @@ fn host_state_of_either_backend_is_found_and_removed() {
     ProbeSet { host: &hostns }
         .upsert("10.1.0.5".parse().unwrap(), "uid-a")
         .unwrap();
+    assert_eq!(ipset_exists("istio-inpod-probes-v4"), Some(true));
     assert!(leftovers.clear_host(&hostns).unwrap());
     let rules = all_iptables(&ns);
     assert!(!rules.contains("ISTIO"), "{rules}");

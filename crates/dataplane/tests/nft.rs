@@ -417,3 +417,67 @@ fn host_rules_and_probe_sets() {
     assert_eq!(ruleset(&ns).trim(), "");
     assert_eq!(sets.list(&host).unwrap(), vec![]);
 }
+
+/// An agent restart puts every enrolled pod's address back at once, into sets that usually still
+/// hold them all. Re-adding 250 present entries in one batch overflowed the netlink socket with
+/// acks (`ENOBUFS`) and failed the restore.
+#[test]
+fn many_probe_entries_restore_and_restore_again() {
+    require_root!();
+    let ns = TestNetns::new("nft-host-many");
+    let host = ns.open();
+    apply_host_rules(&host, &host_cfg(false)).unwrap();
+    let sets = ProbeSets { ipv6: false };
+    let ip = |i: usize| -> IpAddr { format!("10.1.{}.{}", i / 200, i % 200 + 1).parse().unwrap() };
+    let uids: Vec<String> = (0..300).map(|i| format!("uid-{i}")).collect();
+    let entries: Vec<(IpAddr, &str)> = uids
+        .iter()
+        .enumerate()
+        .map(|(i, u)| (ip(i), u.as_str()))
+        .collect();
+    let sorted = |mut v: Vec<ProbeEntry>| {
+        v.sort_by_key(|e| e.ip);
+        v
+    };
+    let want: Vec<ProbeEntry> = sorted(
+        entries
+            .iter()
+            .map(|(ip, uid)| ProbeEntry {
+                ip: *ip,
+                pod_uid: uid.to_string(),
+            })
+            .collect(),
+    );
+    assert_eq!(sets.upsert_many(&host, &entries).unwrap(), 300);
+    assert_eq!(sorted(sets.list(&host).unwrap()), want);
+
+    // The restart: the same entries again, all present.
+    assert_eq!(sets.upsert_many(&host, &entries).unwrap(), 300);
+    assert_eq!(sorted(sets.list(&host).unwrap()), want);
+
+    // Some addresses now belong to other pods: those tags are replaced, the rest kept.
+    let mut moved = entries.clone();
+    for (i, e) in moved.iter_mut().enumerate().filter(|(i, _)| i % 7 == 0) {
+        e.1 = if i % 2 == 0 {
+            "uid-new-even"
+        } else {
+            "uid-new-odd"
+        };
+    }
+    sets.upsert_many(&host, &moved).unwrap();
+    let want_moved: Vec<ProbeEntry> = sorted(
+        moved
+            .iter()
+            .map(|(ip, uid)| ProbeEntry {
+                ip: *ip,
+                pod_uid: uid.to_string(),
+            })
+            .collect(),
+    );
+    assert_eq!(sorted(sets.list(&host).unwrap()), want_moved);
+
+    // Pruning hundreds of stale entries at once.
+    let keep: HashSet<IpAddr> = (0..10).map(ip).collect();
+    assert_eq!(sets.prune(&host, &keep).unwrap().len(), 290);
+    assert_eq!(sets.list(&host).unwrap().len(), 10);
+}

@@ -58,6 +58,16 @@ pub fn plugin_binary() -> PathBuf {
         .unwrap_or_else(|| binary_dir().join("istio-cni"))
 }
 
+/// The agent the test node runs: `$AGENT_BIN`, or this build's. The real node's image
+/// (`scripts/node-images`) and the `Dockerfile` ship a static musl build, without the 2.4 MiB of
+/// shared C libraries a dynamically linked agent maps; `scripts/bench-node` points `AGENT_BIN`
+/// at that build.
+pub fn agent_binary() -> PathBuf {
+    std::env::var_os("AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| binary_dir().join("install-cni"))
+}
+
 /// How [`TestNode::start_on`] sets the node up; the default is [`TestNode::start`]'s node.
 #[derive(Clone, Debug)]
 pub struct NodeOptions {
@@ -397,7 +407,7 @@ impl TestNode {
         // profiler; memory readings are then the wrapper's.
         let mut command = match &self.agent_kind {
             Agent::Ours => {
-                let agent = binary_dir().join("install-cni");
+                let agent = agent_binary();
                 let wrapper = std::env::var("AGENT_WRAPPER").unwrap_or_default();
                 let mut argv: Vec<std::ffi::OsString> =
                     wrapper.split_whitespace().map(Into::into).collect();

@@ -3,10 +3,11 @@
 //! ztunnel acked it.
 //!
 //! Add: netns (CNI path: open `CNI_NETNS`; informer path: cached or discovered under /proc) →
-//! routes + rules in one transaction → ZDS Add, wait for the ack → host probe set, while the
-//! annotation `enabled` is patched at the same time; success once all of them succeeded. A
-//! ztunnel failure leaves the annotation `pending` and is retryable; a netns or rule failure is
-//! not (the pod's sandbox must be retried or recreated), and puts the annotation back as it was.
+//! routes + rules in one transaction (on a thread of the pod's own) → ZDS Add, wait for the ack;
+//! at the same time the host probe set entry (taken out again if the rest fails) and the
+//! annotation `enabled` patch; success once all of them succeeded. A ztunnel failure leaves the
+//! annotation `pending` and is retryable; a netns or rule failure is not (the pod's sandbox must
+//! be retried or recreated), and puts the annotation back as it was.
 //!
 //! Remove: probe set entries (only those carrying this pod's UID) → rules out of the still-running
 //! pod (not for deleted pods: their netns is going away) → ZDS Del to every ztunnel → annotation
@@ -361,14 +362,16 @@ impl Mesh {
             netns = ?(stages.resolved - began),
             rules = ?(stages.applied - stages.resolved),
             ztunnel = ?(stages.acked - stages.applied),
-            probe_set = ?(stages.probed - stages.acked),
+            probe_set = ?(stages.probed - began),
             annotated = ?(annotated_at - began),
             "pod enrolled in the ambient mesh"
         );
         Ok(())
     }
 
-    /// The redirection half of an add: netns, routes + rules, ZDS Add and its ack, probe set.
+    /// The redirection half of an add: netns, routes + rules, ZDS Add and its ack, and the host
+    /// probe set entry at the same time (it needs only the pod's IPs). When the rest fails, the
+    /// entry is taken out again: a pod that is not enrolled gets no probe SNAT.
     async fn redirect(
         &self,
         pod: &Pod,
@@ -378,6 +381,54 @@ impl Mesh {
         ips: &[IpAddr],
         netns_path: Option<&str>,
     ) -> Result<Stages, MeshError> {
+        let probe = async {
+            let result = self.upsert_probe_ips(pod, uid, ips).await;
+            (result, Instant::now())
+        };
+        let (probed, redirected) = tokio::join!(
+            probe,
+            self.rules_and_ack(pod, uid, pod_name, cfg, ips, netns_path)
+        );
+        match (redirected, probed) {
+            (Ok((resolved, applied, acked)), (Ok(()), probed)) => Ok(Stages {
+                resolved,
+                applied,
+                acked,
+                probed,
+            }),
+            (Ok(_), (Err(failed), _)) => Err(failed),
+            (Err(failed), _) => {
+                self.remove_probe_ips(uid, ips).await;
+                Err(failed)
+            }
+        }
+    }
+
+    /// Takes a failed add's probe set entries out again (only those carrying its UID); best
+    /// effort, the failure is what the caller reports.
+    async fn remove_probe_ips(&self, uid: &str, ips: &[IpAddr]) {
+        let probes = self.probes.clone();
+        let (uid, ips) = (uid.to_string(), ips.to_vec());
+        let removed = on_thread(move || {
+            ips.iter()
+                .try_for_each(|ip| probes.remove(ip.to_canonical(), &uid))
+        })
+        .await;
+        if let Err(e) = removed {
+            tracing::warn!(error = %e, "cannot remove the probe set entries of a failed add");
+        }
+    }
+
+    /// Netns, routes + rules, ZDS Add and its ack; returns when the first three finished.
+    async fn rules_and_ack(
+        &self,
+        pod: &Pod,
+        uid: &str,
+        pod_name: &str,
+        cfg: &InpodConfig,
+        ips: &[IpAddr],
+        netns_path: Option<&str>,
+    ) -> Result<(Instant, Instant, Instant), MeshError> {
         let uid = uid.to_string();
         let workload = workload_info(pod);
         let began = Instant::now();
@@ -395,10 +446,8 @@ impl Mesh {
         observe(&self.metrics.netns_resolve_seconds, resolved - began);
 
         let rules = self.rules.clone();
-        let (ns, c) = (netns.clone(), cfg.clone());
-        let applied = tokio::task::spawn_blocking(move || rules.enroll(&ns, &c))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string().into()));
+        let c = cfg.clone();
+        let applied = in_netns(&netns, move |ns| rules.enroll(ns, &c)).await;
         if let Err(source) = applied {
             self.cache.take(&uid);
             return Err(MeshError::Rules {
@@ -422,14 +471,7 @@ impl Mesh {
                 source,
             });
         }
-        let acked = Instant::now();
-        self.upsert_probe_ips(pod, &uid, ips).await?;
-        Ok(Stages {
-            resolved,
-            applied,
-            acked,
-            probed: Instant::now(),
-        })
+        Ok((resolved, applied, Instant::now()))
     }
 
     /// Adds the pod's IPs to the host probe set.
@@ -456,9 +498,7 @@ impl Mesh {
     /// One probe-set transaction (netlink in the host namespace, so on a blocking thread).
     async fn upsert_probes(&self, entries: Vec<(IpAddr, String)>) -> Result<(), BoxError> {
         let probes = self.probes.clone();
-        tokio::task::spawn_blocking(move || probes.upsert_many(&entries))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string().into()))
+        on_thread(move || probes.upsert_many(&entries)).await
     }
 
     async fn resolve_netns(
@@ -548,9 +588,8 @@ impl Mesh {
                 Some(netns) => {
                     let cfg = self.pod_config(pod).unwrap_or_else(|_| self.global.clone());
                     let rules = self.rules.clone();
-                    tokio::task::spawn_blocking(move || rules.unenroll(&netns, &cfg))
+                    in_netns(&netns, move |ns| rules.unenroll(ns, &cfg))
                         .await
-                        .unwrap_or_else(|e| Err(e.to_string().into()))
                         .map_err(|source| MeshError::Rules {
                             pod: pod_name.clone(),
                             backend: self.rules.backend(),
@@ -624,18 +663,22 @@ impl Mesh {
                 ),
             );
         }
-        if let Err(e) = self.upsert_probes(entries).await {
-            tracing::warn!(error = %e, "cannot restore the probe set entries of enrolled pods");
-        }
-        if complete {
-            if let Err(e) = self.probes.prune(&keep) {
-                tracing::warn!(error = %e, "cannot prune the probe set");
+        // The host's probe set and the pods' namespaces are independent: both at once.
+        let probes = async {
+            if let Err(e) = self.upsert_probes(entries).await {
+                tracing::warn!(error = %e, "cannot restore the probe set entries of enrolled pods");
             }
-        } else {
-            tracing::info!("some enrolled pods have no IPs yet; not pruning the probe set");
-        }
+            if complete {
+                let probes = self.probes.clone();
+                if let Err(e) = on_thread(move || probes.prune(&keep)).await {
+                    tracing::warn!(error = %e, "cannot prune the probe set");
+                }
+            } else {
+                tracing::info!("some enrolled pods have no IPs yet; not pruning the probe set");
+            }
+        };
         let started = Instant::now();
-        let mut found: HashMap<String, Netns> = {
+        let namespaces = async {
             use futures::StreamExt;
             let lookups: Vec<_> = wanted
                 .iter()
@@ -656,8 +699,11 @@ impl Mesh {
                 .buffer_unordered(PARALLEL_NETNS_WORK)
                 .collect()
                 .await;
-            hits.into_iter().flatten().collect()
+            hits.into_iter()
+                .flatten()
+                .collect::<HashMap<String, Netns>>()
         };
+        let ((), mut found) = tokio::join!(probes, namespaces);
         let lookup: HashMap<String, WantedPod> = wanted
             .iter()
             .filter(|(uid, _)| !found.contains_key(*uid))
@@ -686,11 +732,17 @@ impl Mesh {
         }
         // A pod still redirected by the backend used before a switch is repaired either way:
         // left alone it would keep redirecting after it leaves the mesh.
-        if reconcile {
-            self.repair_drift(&restored).await;
+        let repaired = if reconcile {
+            self.repair_drift(&restored).await
         } else {
-            self.repair_where(&restored, true).await;
-        }
+            self.repair_where(&restored, true).await
+        };
+        tracing::info!(
+            checked = restored.len(),
+            repaired,
+            took = ?started.elapsed(),
+            "enrolled pods' rules checked"
+        );
     }
 
     /// Verifies the rules of every enrolled pod the agent holds a namespace for and re-applies
@@ -730,17 +782,15 @@ impl Mesh {
             return false;
         };
         let rules = self.rules.clone();
-        let result = tokio::task::spawn_blocking(move || {
-            if leftovers_only && !rules.leftovers(&netns)? {
-                return Ok(None);
-            }
-            match rules.verify(&netns, &cfg)? {
-                RuleState::InSync => Ok(None),
-                state => rules.enroll(&netns, &cfg).map(|()| Some(state)),
-            }
+        let result = in_netns(&netns, move |netns| {
+            check_and_repair(&*rules, netns, &cfg, leftovers_only)
         })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string().into()));
+        .await;
+        self.report_repair(pod, result)
+    }
+
+    /// Logs and counts what [`check_and_repair`] found; returns whether the pod was repaired.
+    fn report_repair(&self, pod: &Pod, result: Result<Option<RuleState>, BoxError>) -> bool {
         match result {
             Ok(None) => false,
             Ok(Some(was)) => {
@@ -757,6 +807,65 @@ impl Mesh {
             }
         }
     }
+}
+
+/// Verifies a pod's rules and re-applies them where they drifted (with `leftovers_only`, only
+/// when it holds the previous backend's rules); returns the state found when it repaired.
+fn check_and_repair(
+    rules: &dyn PodRules,
+    netns: &Netns,
+    cfg: &InpodConfig,
+    leftovers_only: bool,
+) -> Result<Option<RuleState>, BoxError> {
+    if leftovers_only && !rules.leftovers(netns)? {
+        return Ok(None);
+    }
+    match rules.verify(netns, cfg)? {
+        RuleState::InSync => Ok(None),
+        state => rules.enroll(netns, cfg).map(|()| Some(state)),
+    }
+}
+
+/// Runs `f` inside `netns` on a thread of its own (see [`Netns::run_detached`]); the pod's rule
+/// work neither blocks a runtime worker nor waits for a pooled thread behind other pods.
+///
+/// At most one such thread per CPU at a time ([`netns_slots`]): the work is CPU-bound, and more
+/// threads than cores would only contend for the CPUs and the allocator's locks (musl's is
+/// global), as the two pooled threads never did.
+pub async fn in_netns<T: Send + 'static>(
+    netns: &Arc<Netns>,
+    f: impl FnOnce(&Netns) -> Result<T, BoxError> + Send + 'static,
+) -> Result<T, BoxError> {
+    let _slot = netns_slots().acquire().await?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    netns.clone().run_detached(f, move |r| drop(tx.send(r)))?;
+    match rx.await {
+        Ok(Ok(result)) => result,
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err("netns thread panicked".into()),
+    }
+}
+
+/// Pod namespace threads allowed at once: one per CPU, at least two.
+fn netns_slots() -> &'static tokio::sync::Semaphore {
+    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        tokio::sync::Semaphore::new(cpus.max(2))
+    })
+}
+
+/// Runs blocking `f` on a thread of its own, for host-side work that must not wait behind the
+/// blocking pool (two threads) nor block a runtime worker.
+pub async fn on_thread<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, BoxError> + Send + 'static,
+) -> Result<T, BoxError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("host-op".into())
+        .spawn(move || drop(tx.send(f())))?;
+    rx.await
+        .unwrap_or_else(|_| Err("host thread panicked".into()))
 }
 
 /// Pods whose namespaces are checked at once (startup restore, drift checks): enough to overlap

@@ -18,8 +18,8 @@ use dataplane::inpod::{Drift, InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;
 use dataplane::leftovers::{self, IptablesLeftovers};
 use dataplane::netns::Netns;
-use dataplane::nft::NftablesBackend;
 use dataplane::nft::host::ProbeSets;
+use dataplane::nft::{KeptSocket, NftablesBackend};
 
 use super::mesh::{BoxError, PodRules, ProbeSet};
 
@@ -33,6 +33,8 @@ enum Backend {
         host: HostProbeConfig,
         /// What an iptables agent may have left on this node.
         previous: IptablesLeftovers,
+        /// The host's nfnetlink socket, kept for the probe set changes of every add.
+        sock: KeptSocket,
     },
 }
 
@@ -77,6 +79,7 @@ impl NodeDataplane {
                     probe_snat_v6: cfg.probe_snat_v6,
                 },
                 previous: IptablesLeftovers::find(),
+                sock: KeptSocket::new(&host)?,
             }
         } else {
             // Detection runs in the host namespace: the pods use the variant the host uses.
@@ -303,8 +306,8 @@ impl NodeDataplane {
                 }
                 dataplane::host::ProbeSet { host: &self.host }.upsert(ip, uid)?;
             }
-            Backend::Nftables { host, .. } => {
-                ProbeSets { ipv6: host.ipv6 }.upsert(&self.host, ip, uid)?;
+            Backend::Nftables { host, sock, .. } => {
+                ProbeSets { ipv6: host.ipv6 }.upsert(sock, ip, uid)?;
             }
         }
         Ok(())
@@ -321,8 +324,8 @@ impl NodeDataplane {
                     tracing::warn!(%ip, uid, owner = %other, "probe set entry belongs to another pod; kept");
                 }
             }
-            Backend::Nftables { host, .. } => {
-                ProbeSets { ipv6: host.ipv6 }.remove(&self.host, ip, uid)?;
+            Backend::Nftables { host, sock, .. } => {
+                ProbeSets { ipv6: host.ipv6 }.remove(sock, ip, uid)?;
             }
         }
         Ok(())
@@ -330,12 +333,12 @@ impl NodeDataplane {
 
     fn set_upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
         match &self.backend {
-            Backend::Nftables { host, .. } => {
+            Backend::Nftables { host, sock, .. } => {
                 let refs: Vec<(IpAddr, &str)> = entries
                     .iter()
                     .map(|(ip, uid)| (*ip, uid.as_str()))
                     .collect();
-                ProbeSets { ipv6: host.ipv6 }.upsert_many(&self.host, &refs)?;
+                ProbeSets { ipv6: host.ipv6 }.upsert_many(sock, &refs)?;
                 Ok(())
             }
             Backend::Iptables { .. } => entries
@@ -383,8 +386,8 @@ impl ProbeSet for NodeDataplane {
                     sets.prune(f, &keep)?;
                 }
             }
-            Backend::Nftables { host, .. } => {
-                ProbeSets { ipv6: host.ipv6 }.prune(&self.host, keep)?;
+            Backend::Nftables { host, sock, .. } => {
+                ProbeSets { ipv6: host.ipv6 }.prune(sock, keep)?;
             }
         }
         Ok(())

@@ -17,7 +17,7 @@ use netlink_packet_netfilter::nftables::{
 };
 
 use super::wire::{Batch, change, find_tlv, nul_terminated, push_tlv, string_of};
-use super::{NftError, with_socket};
+use super::{NftAccess, NftError, with_socket};
 use crate::netlink::{NetlinkError, NetlinkSocket};
 use crate::netns::Netns;
 use netlink_packet_core::NLM_F_EXCL;
@@ -121,65 +121,69 @@ impl ProbeSets {
 
     /// Adds `ip` tagged with `pod_uid`, replacing the tag of an existing entry, in one batch.
     /// Returns false when the address was skipped (IPv6 disabled).
-    pub fn upsert(&self, netns: &Netns, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
-        Ok(self.upsert_many(netns, &[(ip, pod_uid)])? > 0)
+    pub fn upsert(&self, at: &impl NftAccess, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
+        Ok(self.upsert_many(at, &[(ip, pod_uid)])? > 0)
     }
 
-    /// [`upsert`](Self::upsert) for many entries in one transaction (agent restart restores every
-    /// enrolled pod at once). Returns how many entries were not skipped.
+    /// [`upsert`](Self::upsert) for many entries (agent restart restores every enrolled pod at
+    /// once). Returns how many entries were not skipped.
     ///
     /// New addresses (the common case: a pod just got its IP) are only added. Replacing a tag
     /// needs a delete, and a commit after a delete waits for the kernel to free the old element
     /// (an RCU grace period, ~15 ms here) — paid only when an address really is reused.
+    ///
+    /// With more than one entry, the entries the set already holds with the same tag are left
+    /// alone (after an agent restart: all of them), and the rest go in batches of
+    /// [`ELEMENTS_PER_BATCH`]: the kernel acks every message of a batch, and a few hundred acks
+    /// at once overflow the socket's receive buffer (`ENOBUFS`, seen with 250 pods).
     pub fn upsert_many(
         &self,
-        netns: &Netns,
+        at: &impl NftAccess,
         entries: &[(IpAddr, &str)],
     ) -> Result<usize, NftError> {
-        let elems: Vec<(String, IpAddr, Vec<u8>)> = entries
+        let elems: Vec<(String, IpAddr, String)> = entries
             .iter()
             .filter_map(|(ip, uid)| {
                 // Istio stores IPv4-mapped IPv6 addresses as plain IPv4.
                 let ip = ip.to_canonical();
-                let set = self.set_for(ip)?;
-                let mut udata = Vec::new();
-                push_tlv(&mut udata, UDATA_SET_ELEM_COMMENT, &nul_terminated(uid));
-                Some((set, ip, udata))
+                Some((self.set_for(ip)?, ip, uid.to_string()))
             })
             .collect();
+        let count = elems.len();
         if elems.is_empty() {
             return Ok(0);
         }
-        let tagged = |set: &str, ip: IpAddr, udata: &[u8]| {
-            element_msg(
-                set,
-                vec![vec![key(ip), SetElementAttribute::UserData(udata.to_vec())]],
-                false,
-            )
-        };
-        let mut add_only = Batch::default();
-        for (set, ip, udata) in &elems {
-            add_only.push(change(tagged(set, *ip, udata), NLM_F_EXCL));
-        }
-        let mut replace = Batch::default();
-        for (set, ip, udata) in &elems {
-            // Create-then-delete makes the delete valid whether or not the entry existed.
-            replace.push(change(element_msg(set, vec![vec![key(*ip)]], false), 0));
-            replace.push(change(element_msg(set, vec![vec![key(*ip)]], true), 0));
-            replace.push(change(tagged(set, *ip, udata), 0));
-        }
-        with_socket(netns, move |sock| match add_only.commit(sock) {
-            Err(e) if e.errno() == Some(libc::EEXIST) => replace.commit(sock),
-            other => other,
+        let sets = self.set_names();
+        at.with_sock(move |sock| {
+            let todo: Vec<(String, IpAddr, String)> = if elems.len() > 1 {
+                let mut present = HashSet::new();
+                for set in &sets {
+                    present.extend(list_set(sock, set)?.into_iter().map(|e| (e.ip, e.pod_uid)));
+                }
+                elems
+                    .into_iter()
+                    .filter(|(_, ip, uid)| !present.contains(&(*ip, uid.clone())))
+                    .collect()
+            } else {
+                elems
+            };
+            for chunk in todo.chunks(ELEMENTS_PER_BATCH) {
+                upsert_batch(sock, chunk)?;
+            }
+            Ok(())
         })?;
-        Ok(elems.len())
+        Ok(count)
     }
 
-    pub fn list(&self, netns: &Netns) -> Result<Vec<ProbeEntry>, NftError> {
-        let sets: Vec<String> = std::iter::once(probe_set_name(false))
+    fn set_names(&self) -> Vec<String> {
+        std::iter::once(probe_set_name(false))
             .chain(self.ipv6.then(|| probe_set_name(true)))
-            .collect();
-        with_socket(netns, move |sock| {
+            .collect()
+    }
+
+    pub fn list(&self, at: &impl NftAccess) -> Result<Vec<ProbeEntry>, NftError> {
+        let sets = self.set_names();
+        at.with_sock(move |sock| {
             let mut out = Vec::new();
             for set in &sets {
                 out.extend(list_set(sock, set)?);
@@ -190,43 +194,92 @@ impl ProbeSets {
 
     /// Deletes `ip` only if it is tagged with `pod_uid` (another pod may own the IP by now).
     /// Returns whether an entry was removed.
-    pub fn remove(&self, netns: &Netns, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
+    pub fn remove(&self, at: &impl NftAccess, ip: IpAddr, pod_uid: &str) -> Result<bool, NftError> {
         let ip = ip.to_canonical();
         let found = self
-            .list(netns)?
+            .list(at)?
             .into_iter()
             .any(|e| e.ip == ip && e.pod_uid == pod_uid);
         if !found {
             return Ok(false);
         }
-        self.delete(netns, &[ip])?;
+        self.delete(at, &[ip])?;
         Ok(true)
     }
 
     /// Deletes every entry whose address is not in `keep`; returns the deleted entries.
     pub fn prune(
         &self,
-        netns: &Netns,
+        at: &impl NftAccess,
         keep: &HashSet<IpAddr>,
     ) -> Result<Vec<ProbeEntry>, NftError> {
         let stale: Vec<ProbeEntry> = self
-            .list(netns)?
+            .list(at)?
             .into_iter()
             .filter(|e| !keep.contains(&e.ip))
             .collect();
         let ips: Vec<IpAddr> = stale.iter().map(|e| e.ip).collect();
-        self.delete(netns, &ips)?;
+        self.delete(at, &ips)?;
         Ok(stale)
     }
 
-    fn delete(&self, netns: &Netns, ips: &[IpAddr]) -> Result<(), NftError> {
-        let mut batch = Batch::default();
-        for ip in ips {
-            if let Some(set) = self.set_for(*ip) {
-                batch.push(change(element_msg(&set, vec![vec![key(*ip)]], true), 0));
+    fn delete(&self, at: &impl NftAccess, ips: &[IpAddr]) -> Result<(), NftError> {
+        let msgs: Vec<_> = ips
+            .iter()
+            .filter_map(|ip| {
+                let set = self.set_for(*ip)?;
+                Some(change(element_msg(&set, vec![vec![key(*ip)]], true), 0))
+            })
+            .collect();
+        at.with_sock(move |sock| {
+            let mut msgs = msgs.into_iter().peekable();
+            while msgs.peek().is_some() {
+                let mut batch = Batch::default();
+                msgs.by_ref()
+                    .take(ELEMENTS_PER_BATCH)
+                    .for_each(|m| batch.push(m));
+                batch.commit(sock)?;
             }
+            Ok(())
+        })
+    }
+}
+
+/// Set elements per nf_tables batch: every message is acked, and the acks of a few hundred
+/// overflow the netlink socket's receive buffer (`ENOBUFS`).
+pub const ELEMENTS_PER_BATCH: usize = 32;
+
+/// Adds `elems` (set, address, pod UID) in one batch; where an address is already there, the
+/// batch is redone replacing its tag.
+fn upsert_batch(
+    sock: &mut NetlinkSocket,
+    elems: &[(String, IpAddr, String)],
+) -> Result<(), NetlinkError> {
+    let tagged = |set: &str, ip: IpAddr, uid: &str| {
+        let mut udata = Vec::new();
+        push_tlv(&mut udata, UDATA_SET_ELEM_COMMENT, &nul_terminated(uid));
+        element_msg(
+            set,
+            vec![vec![key(ip), SetElementAttribute::UserData(udata)]],
+            false,
+        )
+    };
+    let mut add_only = Batch::default();
+    for (set, ip, uid) in elems {
+        add_only.push(change(tagged(set, *ip, uid), NLM_F_EXCL));
+    }
+    match add_only.commit(sock) {
+        Err(e) if e.errno() == Some(libc::EEXIST) => {
+            let mut replace = Batch::default();
+            for (set, ip, uid) in elems {
+                // Create-then-delete makes the delete valid whether or not the entry existed.
+                replace.push(change(element_msg(set, vec![vec![key(*ip)]], false), 0));
+                replace.push(change(element_msg(set, vec![vec![key(*ip)]], true), 0));
+                replace.push(change(tagged(set, *ip, uid), 0));
+            }
+            replace.commit(sock)
         }
-        with_socket(netns, move |sock| batch.commit(sock))
+        other => other,
     }
 }
 

@@ -506,3 +506,36 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     }
     Ok(Ruleset { tables })
 }
+
+/// Whether the ipset `name` exists in the socket's namespace, asked over nfnetlink's ipset
+/// subsystem (`IPSET_CMD_HEADER`, as `ipset list -t` asks) instead of running the `ipset` tool.
+/// `None` when the kernel's answer is neither the set's header nor `ENOENT`: the caller then
+/// asks the tool.
+pub fn ipset_exists(sock: &mut NetlinkSocket, name: &str) -> Option<bool> {
+    // From <linux/netfilter/nfnetlink.h> and <linux/netfilter/ipset/ip_set.h>.
+    const NFNL_SUBSYS_IPSET: u16 = 6;
+    const IPSET_CMD_HEADER: u16 = 12;
+    const IPSET_ATTR_PROTOCOL: u16 = 1;
+    const IPSET_ATTR_SETNAME: u16 = 2;
+    /// The oldest protocol every kernel since 3.x accepts for this command.
+    const IPSET_PROTOCOL_MIN: u8 = 6;
+    fn attr(out: &mut Vec<u8>, kind: u16, value: &[u8]) {
+        out.extend_from_slice(&(4 + value.len() as u16).to_ne_bytes());
+        out.extend_from_slice(&kind.to_ne_bytes());
+        out.extend_from_slice(value);
+        out.resize(out.len().next_multiple_of(4), 0);
+    }
+    // nfgenmsg: family, version (NFNETLINK_V0), resource id.
+    let mut payload = vec![libc::AF_INET as u8, 0, 0, 0];
+    attr(&mut payload, IPSET_ATTR_PROTOCOL, &[IPSET_PROTOCOL_MIN]);
+    attr(&mut payload, IPSET_ATTR_SETNAME, &nul_terminated(name));
+    let request = Raw::Reply {
+        message_type: (NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_HEADER,
+        payload,
+    };
+    match sock.request(request, 0) {
+        Ok(()) => Some(true),
+        Err(e) if e.errno() == Some(libc::ENOENT) => Some(false),
+        Err(_) => None,
+    }
+}
