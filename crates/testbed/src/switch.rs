@@ -31,6 +31,8 @@ use crate::real_node::Node;
 
 /// How often each pod probes.
 pub const PROBE_INTERVAL: Duration = Duration::from_millis(100);
+/// How long a probe waits for the witness's answer before it counts as failed.
+pub const PROBE_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A TCP listener in the node's network namespace (on an address of the node, e.g. its bridge
 /// gateway) that answers every connection with `<client ip>:<client port>\n` and closes it.
@@ -200,7 +202,9 @@ fn probe_once(to: SocketAddr) -> Result<bool, String> {
     let conn = TcpStream::connect_timeout(&to, Duration::from_secs(1))
         .map_err(|e| format!("connect: {e}"))?;
     let ours = conn.local_addr().map_err(|e| e.to_string())?;
-    conn.set_read_timeout(Some(Duration::from_secs(2)))
+    // Generous: on a loaded machine (two nodes, pods starting, other tests) an answer through the
+    // peer took over 2 s a few times; a late answer still tells redirected from escaped.
+    conn.set_read_timeout(Some(PROBE_READ_TIMEOUT))
         .map_err(|e| e.to_string())?;
     let mut line = String::new();
     BufReader::new(&conn)
