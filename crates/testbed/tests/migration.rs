@@ -305,7 +305,26 @@ async fn step(
     // A little after the switch: pods created right after the new agent came up, too.
     tokio::time::sleep(Duration::from_secs(2)).await;
     done.store(true, Ordering::Relaxed);
-    let created: Vec<Created> = creator.await.unwrap();
+    let created: Vec<Created> = match creator.await {
+        Ok(created) => created,
+        Err(e) => {
+            // Which agent turned the ADDs away, and why.
+            let out = node.cluster().try_script(&[
+                "kubectl",
+                "-n",
+                "istio-system",
+                "logs",
+                &agent_pod(node),
+                "--tail=200",
+            ]);
+            panic!(
+                "{label}: pods on {} without a sandbox ({e}); its agent's log:\n{}\n{}",
+                node.name(),
+                String::from_utf8_lossy(&out.stdout),
+                node.log_tails(&["kubelet", "containerd"])
+            );
+        }
+    };
     let took = started.elapsed();
     let served: Vec<_> = watches.into_iter().map(SocketWatch::stop).collect();
 
