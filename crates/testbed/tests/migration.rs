@@ -4,7 +4,13 @@
 //! same release to our chart, with either of our backends, while pods are being created; then
 //! back to Istio's chart the same way; then a final uninstall.
 //!
-//! Throughout, every ambient pod probes a witness on the node every 100 ms from inside its
+//! Our nftables backend runs on two nodes, node by node (docs/migrate-from-istio.md, "A
+//! half-migrated cluster"): both charts with `updateStrategy: OnDelete`, each `helm upgrade`
+//! replacing no agent, then node 1's agent pod deleted while pods are created on node 1, the
+//! cluster mixed, then node 2's the same way. Our iptables backend runs on one node with the
+//! DaemonSet's rolling update (both backends on two nodes would double the file's time).
+//!
+//! Throughout, every ambient pod probes a witness on its node every 100 ms from inside its
 //! network namespace ([`testbed::switch::Prober`]): no connection may escape redirection. After
 //! each switch: the peer (ztunnel) still has every ambient pod, the pods created during the switch
 //! started redirected and enrolled, every annotation is `enabled`, and no pod was restarted (same
