@@ -394,9 +394,13 @@ pub fn pod_rules<'a>(node: impl Into<Node<'a>>, uid: &str) -> Rules {
     Rules::of(&netns)
 }
 
-/// The rules of the node's own network namespace (the agents' host rules, kubelet's chains).
-pub fn node_rules(node: &RealNode) -> Rules {
-    Rules::of(Path::new(&format!("/proc/{}/ns/net", node.holder_pid())))
+/// The rules of the node's own network namespace (the agents' host rules, kubelet's chains; a
+/// [`RealNode`] is its node 1).
+pub fn node_rules<'a>(node: impl Into<Node<'a>>) -> Rules {
+    Rules::of(Path::new(&format!(
+        "/proc/{}/ns/net",
+        node.into().holder_pid()
+    )))
 }
 
 /// Makes the node a legacy-iptables one, as a distribution defaulting to legacy would have it:

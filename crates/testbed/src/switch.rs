@@ -27,10 +27,12 @@ use dataplane::netns::Netns;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 
-use crate::real_node::RealNode;
+use crate::real_node::Node;
 
 /// How often each pod probes.
 pub const PROBE_INTERVAL: Duration = Duration::from_millis(100);
+/// How long a probe waits for the witness's answer before it counts as failed.
+pub const PROBE_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A TCP listener in the node's network namespace (on an address of the node, e.g. its bridge
 /// gateway) that answers every connection with `<client ip>:<client port>\n` and closes it.
@@ -41,8 +43,9 @@ pub struct Witness {
 }
 
 impl Witness {
-    /// Listens on `ip:port` inside `node`'s network namespace.
-    pub fn start(node: &RealNode, ip: IpAddr, port: u16) -> Witness {
+    /// Listens on `ip:port` inside `node`'s network namespace (a `&RealNode` is its node 1).
+    pub fn start<'a>(node: impl Into<Node<'a>>, ip: IpAddr, port: u16) -> Witness {
+        let node = node.into();
         let ns = Netns::open(format!("/proc/{}/ns/net", node.holder_pid())).expect("node netns");
         let addr = SocketAddr::new(ip, port);
         let listener = ns
@@ -114,8 +117,9 @@ impl Prober {
     }
 
     /// Starts probing from pod `name` (UID `uid`) on `node`.
-    pub fn add(&mut self, node: &RealNode, name: &str, uid: &str) {
+    pub fn add<'a>(&mut self, node: impl Into<Node<'a>>, name: &str, uid: &str) {
         let path = node
+            .into()
             .pod_netns(uid)
             .unwrap_or_else(|| panic!("no process of pod {name} on the node"));
         // Held open by the prober: the namespace cannot go away under it.
@@ -198,7 +202,9 @@ fn probe_once(to: SocketAddr) -> Result<bool, String> {
     let conn = TcpStream::connect_timeout(&to, Duration::from_secs(1))
         .map_err(|e| format!("connect: {e}"))?;
     let ours = conn.local_addr().map_err(|e| e.to_string())?;
-    conn.set_read_timeout(Some(Duration::from_secs(2)))
+    // Generous: on a loaded machine (two nodes, pods starting, other tests) an answer through the
+    // peer took over 2 s a few times; a late answer still tells redirected from escaped.
+    conn.set_read_timeout(Some(PROBE_READ_TIMEOUT))
         .map_err(|e| e.to_string())?;
     let mut line = String::new();
     BufReader::new(&conn)
@@ -237,8 +243,9 @@ pub struct Served {
 }
 
 impl SocketWatch {
-    pub fn start(node: &RealNode) -> SocketWatch {
-        let path: PathBuf = node.node_path(PLUGIN_EVENT_SOCKET);
+    /// Watches `node`'s socket (a `&RealNode` is its node 1).
+    pub fn start<'a>(node: impl Into<Node<'a>>) -> SocketWatch {
+        let path: PathBuf = node.into().node_path(PLUGIN_EVENT_SOCKET);
         let samples = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let (s, st) = (samples.clone(), stop.clone());
@@ -384,8 +391,10 @@ pub struct Incarnation {
     pub netns: u64,
 }
 
-pub async fn incarnation(node: &RealNode, ns: &str, name: &str) -> Incarnation {
-    let p = crate::real_node::get(node, ns, name)
+/// Pod `ns/name`'s [`Incarnation`] on `node` (a `&RealNode` is its node 1).
+pub async fn incarnation<'a>(node: impl Into<Node<'a>>, ns: &str, name: &str) -> Incarnation {
+    let node = node.into();
+    let p = crate::real_node::get(node.cluster(), ns, name)
         .await
         .unwrap_or_else(|| panic!("{ns}/{name} is gone"));
     let uid = p.metadata.uid.clone().unwrap();
@@ -416,7 +425,7 @@ pub struct AgentState {
     pub pods: Vec<String>,
 }
 
-pub fn agent_state(node: &RealNode) -> AgentState {
+pub fn agent_state(node: &crate::real_node::RealNode) -> AgentState {
     let image = crate::migrate::agent_image(node);
     let pods = node.kubectl(&[
         "-n",

@@ -4,7 +4,13 @@
 //! same release to our chart, with either of our backends, while pods are being created; then
 //! back to Istio's chart the same way; then a final uninstall.
 //!
-//! Throughout, every ambient pod probes a witness on the node every 100 ms from inside its
+//! Our nftables backend runs on two nodes, node by node (docs/migrate-from-istio.md, "A
+//! half-migrated cluster"): both charts with `updateStrategy: OnDelete`, each `helm upgrade`
+//! replacing no agent, then node 1's agent pod deleted while pods are created on node 1, the
+//! cluster mixed, then node 2's the same way. Our iptables backend runs on one node with the
+//! DaemonSet's rolling update (both backends on two nodes would double the file's time).
+//!
+//! Throughout, every ambient pod probes a witness on its node every 100 ms from inside its
 //! network namespace ([`testbed::switch::Prober`]): no connection may escape redirection. After
 //! each switch: the peer (ztunnel) still has every ambient pod, the pods created during the switch
 //! started redirected and enrolled, every annotation is `enabled`, and no pod was restarted (same
@@ -26,24 +32,26 @@
 //! or `REAL_NODE_IMAGES`).
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use testbed::migrate::{
-    ISTIO_IMAGE, helm_cni, helm_cni_run, install_peer, netns_exec, node_rules, peer_workloads,
-    pod_rules, redirected_now, wait_peer_has,
+    ISTIO_IMAGE, ON_DELETE, agent_pod, agent_pod_image, helm_cni_run, helm_cni_with, install_peer,
+    netns_exec, node_rules, peer_workloads, pod_rules, redirected_now, replace_agent_pod,
+    wait_peer_has,
 };
 use testbed::real_node::{
-    CONFLIST, GATEWAY, REDIRECTION, RealNode, annotation, create, get, label_namespace,
-    sidecar_pod, wait_redirection, wait_running, witness, witness_pod,
+    CONFLIST, GATEWAY, Node, REDIRECTION, RealNode, annotation, create, get, label_namespace,
+    on_node, sidecar_pod, wait_redirection, wait_running, witness, witness_pod,
 };
 use testbed::switch::{
     Created, Incarnation, Probed, Prober, SocketWatch, Witness, agent_state, create_during,
     incarnation,
 };
 
-/// One node at a time: a node is several hundred MB of processes and most of a core to start.
+/// One cluster at a time: a node is several hundred MB of processes and most of a core to start.
 static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const OURS_IMAGE: &str = "localhost/istio-cni-rs/install-cni:dev";
@@ -58,10 +66,22 @@ enum Backend {
     Iptables,
 }
 
+/// How a switch reaches the nodes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum How {
+    /// The DaemonSet's rolling update, every node at once (one node here).
+    Rolling,
+    /// `updateStrategy: OnDelete` ([`ON_DELETE`] on every helm call): the `helm upgrade`
+    /// replaces no agent; then each node's agent pod is deleted in turn, and the cluster runs
+    /// both agents in between (docs/migrate-from-istio.md, "A half-migrated cluster").
+    NodeByNode,
+}
+
 /// One node of the cluster, with what the test keeps about it.
 struct NodeUnderTest<'a> {
-    node: &'a RealNode,
-    gateway: &'static str,
+    node: Node<'a>,
+    /// The node's bridge address, which its pods' witnesses and the prober's witness use.
+    gateway: String,
     /// Kept alive for the probers.
     _witness: Witness,
     prober: Prober,
@@ -75,6 +95,8 @@ struct NodeUnderTest<'a> {
 struct Row {
     switch: String,
     node: usize,
+    /// Whether this node's agent was replaced in this step (the other nodes' keep serving).
+    replaced: bool,
     gap: Duration,
     created: usize,
     waited_min: Duration,
@@ -88,8 +110,14 @@ fn secs(d: Duration) -> String {
     format!("{:.2}", d.as_secs_f64())
 }
 
+/// Node `node`'s bridge address: 10.244.(K-1).1, the first address of its pod CIDR.
+fn gateway_of(node: Node<'_>) -> String {
+    format!("10.244.{}.1", node.index() - 1)
+}
+
 impl<'a> NodeUnderTest<'a> {
-    async fn new(node: &'a RealNode, gateway: &'static str) -> Self {
+    async fn new(node: Node<'a>) -> Self {
+        let gateway = gateway_of(node);
         let witness = Witness::start(node, gateway.parse().unwrap(), WITNESS_PORT);
         let prober = Prober::new(&witness);
         NodeUnderTest {
@@ -103,14 +131,19 @@ impl<'a> NodeUnderTest<'a> {
         }
     }
 
-    /// An ambient pod (its witness printed `REDIRECTED`, annotated, known to the peer), probed
-    /// from now on.
+    /// An ambient pod (its witness printed `REDIRECTED`, annotated, known to the node's peer),
+    /// probed from now on.
     async fn adopt_ambient(&mut self, name: &str, uid: &str, agent: &str) {
-        let node = self.node;
-        wait_running(node, "mesh", name).await;
-        wait_redirection(node, "mesh", name, Some("enabled")).await;
+        let (node, c) = (self.node, self.node.cluster());
+        let pod = wait_running(c, "mesh", name).await;
         assert_eq!(
-            witness(node, "mesh", name),
+            pod.spec.as_ref().unwrap().node_name,
+            Some(node.name()),
+            "{name} not on its node"
+        );
+        wait_redirection(c, "mesh", name, Some("enabled")).await;
+        assert_eq!(
+            witness(c, "mesh", name),
             "REDIRECTED",
             "{name} started unredirected under {agent}"
         );
@@ -123,32 +156,36 @@ impl<'a> NodeUnderTest<'a> {
     }
 
     async fn adopt_sidecar(&mut self, name: &str) {
-        let node = self.node;
-        wait_running(node, "side", name).await;
-        assert_eq!(witness(node, "side", name), "REDIRECTED", "sidecar {name}");
+        let (node, c) = (self.node, self.node.cluster());
+        wait_running(c, "side", name).await;
+        assert_eq!(witness(c, "side", name), "REDIRECTED", "sidecar {name}");
         self.sidecars.push(name.to_string());
         let inc = incarnation(node, "side", name).await;
         self.incarnations
             .insert(("side".into(), name.to_string()), inc);
     }
 
-    /// Every pod enrolled before is still enrolled, redirected and known to the peer, and was
-    /// not restarted; no probe escaped so far.
+    /// Every pod enrolled before is still enrolled, redirected and known to the node's peer,
+    /// and was not restarted; no probe escaped so far.
     async fn check_pods(&self, after: &str) {
-        let node = self.node;
+        let (node, c) = (self.node, self.node.cluster());
         let peer = peer_workloads(node);
         for (name, uid) in &self.ambient {
-            let p = get(node, "mesh", name).await.unwrap();
+            let p = get(c, "mesh", name).await.unwrap();
             assert_eq!(
                 annotation(&p, REDIRECTION).as_deref(),
                 Some("enabled"),
                 "{name} after {after}"
             );
-            assert!(peer.contains_key(uid), "the peer lost {name} after {after}");
+            assert!(
+                peer.contains_key(uid),
+                "the peer on {} lost {name} after {after}",
+                node.name()
+            );
         }
         for name in &self.sidecars {
             assert!(
-                redirected_now(node, "side", name),
+                redirected_now(c, "side", name),
                 "sidecar {name} unredirected after {after}"
             );
         }
@@ -163,84 +200,158 @@ impl<'a> NodeUnderTest<'a> {
         assert_eq!(
             total.escaped,
             0,
-            "connections escaped redirection by {after}: {:#?}",
+            "connections escaped redirection on {} by {after}: {:#?}",
+            node.name(),
             self.prober.results()
         );
         assert_eq!(
             total.failed,
             0,
-            "probes failed by {after}: {:#?}",
+            "probes failed on {} by {after}: {:#?}",
+            node.name(),
             self.prober.results()
         );
     }
 }
 
-/// `helm upgrade` of the release to `istio`'s chart or ours with `extra`, on every node, while
-/// pods are created in the ambient namespace; `restart` adds `kubectl rollout restart` (a
-/// change the DaemonSet's template does not show). Checks every node afterwards and returns a row
-/// per node.
+/// `helm upgrade` of the release to `istio`'s chart or ours with `extra`, then the agents
+/// replaced `how`, while pods are created on the node being switched; `restart` adds `kubectl
+/// rollout restart` to a rolling switch (a change the DaemonSet's template does not show; node by
+/// node, deleting the pod is the restart). Checks every node after each step and returns a row
+/// per node and step.
 async fn switch(
     nodes: &mut [NodeUnderTest<'_>],
     label: &str,
     istio: bool,
     extra: &[&str],
     restart: bool,
+    how: How,
 ) -> Vec<Row> {
-    let node = nodes[0].node;
+    let c = nodes[0].node.cluster();
+    let want = if istio { ISTIO_IMAGE } else { OURS_IMAGE };
+    let agent = if istio { "Istio's agent" } else { "our agent" };
+    match how {
+        How::Rolling => {
+            let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+            let rows = step(nodes, label, 0, agent, async move {
+                let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+                helm_cni_run(c, "upgrade", istio, &extra);
+                if restart {
+                    c.kubectl(&[
+                        "-n",
+                        "istio-system",
+                        "rollout",
+                        "restart",
+                        "ds/istio-cni-node",
+                    ]);
+                }
+                c.rollout("istio-cni-node").await;
+            })
+            .await;
+            let state = agent_state(c);
+            assert_eq!(state.image, want, "{label}: {state:?}");
+            rows
+        }
+        How::NodeByNode => {
+            let mut extra = extra.to_vec();
+            extra.extend_from_slice(ON_DELETE);
+            let agents: Vec<String> = nodes.iter().map(|n| agent_pod(n.node)).collect();
+            helm_cni_run(c, "upgrade", istio, &extra);
+            assert_eq!(agent_state(c).image, want, "{label}");
+            let mut rows = Vec::new();
+            for i in 0..nodes.len() {
+                let node = nodes[i].node;
+                let step_label = format!("{label}-n{}", node.index());
+                rows.extend(
+                    step(nodes, &step_label, i, agent, async move {
+                        replace_agent_pod(node).await
+                    })
+                    .await,
+                );
+                assert_eq!(agent_pod_image(node), want, "{step_label}");
+                // A mixed cluster: the nodes after this one still run the agent they had.
+                for (n, was) in nodes.iter().zip(&agents).skip(i + 1) {
+                    assert_eq!(
+                        &agent_pod(n.node),
+                        was,
+                        "{step_label}: {}'s agent was replaced too",
+                        n.node.name()
+                    );
+                }
+            }
+            rows
+        }
+    }
+}
+
+/// One step of a switch: `switching` runs while a pod is created on node `on` every
+/// [`CREATE_EVERY`] (until 2 s after it is done) and every node's plugin socket is watched; then
+/// node `on` adopts the pods created, and every node's pods are checked.
+async fn step(
+    nodes: &mut [NodeUnderTest<'_>],
+    label: &str,
+    on: usize,
+    agent: &str,
+    switching: impl Future<Output = ()>,
+) -> Vec<Row> {
+    let node = nodes[on].node;
     let before: Vec<Probed> = nodes.iter().map(|n| n.prober.total()).collect();
     let watches: Vec<SocketWatch> = nodes.iter().map(|n| SocketWatch::start(n.node)).collect();
     let done = Arc::new(AtomicBool::new(false));
-    let prefix = label.to_string();
-    let gateway = nodes[0].gateway;
+    let (prefix, gateway, name) = (label.to_string(), nodes[on].gateway.clone(), node.name());
     let creator = tokio::spawn(create_during(
-        node.client(),
+        node.cluster().client(),
         "mesh".into(),
         CREATE_EVERY,
         done.clone(),
-        move |i| witness_pod_to(&format!("{prefix}-{i}"), gateway),
+        move |i| on_node(witness_pod_to(&format!("{prefix}-{i}"), &gateway), &name),
     ));
     let started = Instant::now();
-    helm_cni_run(node, "upgrade", istio, extra);
-    if restart {
-        node.kubectl(&[
-            "-n",
-            "istio-system",
-            "rollout",
-            "restart",
-            "ds/istio-cni-node",
-        ]);
-    }
-    node.rollout("istio-cni-node").await;
-    let want = if istio { ISTIO_IMAGE } else { OURS_IMAGE };
-    for n in nodes.iter() {
-        let state = agent_state(n.node);
-        assert_eq!(state.image, want, "{label}: {state:?}");
-    }
-    // A little after the rollout: pods created right after the new agent came up, too.
+    switching.await;
+    // A little after the switch: pods created right after the new agent came up, too.
     tokio::time::sleep(Duration::from_secs(2)).await;
     done.store(true, Ordering::Relaxed);
-    let created: Vec<Created> = creator.await.unwrap();
+    let created: Vec<Created> = match creator.await {
+        Ok(created) => created,
+        Err(e) => {
+            // Which agent turned the ADDs away, and why.
+            let out = node.cluster().try_script(&[
+                "kubectl",
+                "-n",
+                "istio-system",
+                "logs",
+                &agent_pod(node),
+                "--tail=200",
+            ]);
+            panic!(
+                "{label}: pods on {} without a sandbox ({e}); its agent's log:\n{}\n{}",
+                node.name(),
+                String::from_utf8_lossy(&out.stdout),
+                node.log_tails(&["kubelet", "containerd"])
+            );
+        }
+    };
     let took = started.elapsed();
     let served: Vec<_> = watches.into_iter().map(SocketWatch::stop).collect();
 
-    let agent = if istio { "Istio's agent" } else { "our agent" };
+    for c in &created {
+        nodes[on].adopt_ambient(&c.name, &c.uid, agent).await;
+    }
     let mut rows = Vec::new();
-    for (i, n) in nodes.iter_mut().enumerate() {
-        // The pods are created on the first node (one node so far; a second node's pods would
-        // be created through its own creator).
-        if i == 0 {
-            for c in &created {
-                n.adopt_ambient(&c.name, &c.uid, agent).await;
-            }
-        }
+    for (i, n) in nodes.iter().enumerate() {
         n.check_pods(label).await;
         let now = n.prober.total();
-        let waits: Vec<Duration> = created.iter().map(|c| c.waited).collect();
+        let waits: Vec<Duration> = if i == on {
+            created.iter().map(|c| c.waited).collect()
+        } else {
+            Vec::new()
+        };
         rows.push(Row {
             switch: label.to_string(),
-            node: i,
+            node: n.node.index(),
+            replaced: i == on || nodes.len() == 1,
             gap: served[i].longest_gap,
-            created: created.len(),
+            created: waits.len(),
             waited_min: waits.iter().copied().min().unwrap_or_default(),
             waited_max: waits.iter().copied().max().unwrap_or_default(),
             probes: now.probes - before[i].probes,
@@ -248,12 +359,13 @@ async fn switch(
             failed: now.failed - before[i].failed,
         });
         eprintln!(
-            "{label} on node {i}: {took:?}; no agent served ADDs for {:?} (total {:?}, {} agents seen, {} samples); created {} pods, sandboxes waited {:?}",
+            "{label} on {}: {took:?}; no agent served ADDs for {:?} (total {:?}, {} agents seen, {} samples); created {} pods, sandboxes waited {:?}",
+            n.node.name(),
             served[i].longest_gap,
             served[i].total_gap,
             served[i].agents,
             served[i].samples,
-            created.len(),
+            waits.len(),
             waits
         );
     }
@@ -273,13 +385,13 @@ fn witness_pod_to(name: &str, gateway: &str) -> serde_json::Value {
 }
 
 /// The node's netns, as the machine sees it.
-fn node_netns(node: &RealNode) -> std::path::PathBuf {
+fn node_netns(node: Node<'_>) -> std::path::PathBuf {
     format!("/proc/{}/ns/net", node.holder_pid()).into()
 }
 
 /// What of either agent is on the node besides the pods: host chains (both iptables variants),
 /// nftables tables, ipsets, policy routing rules, and files.
-fn host_state(node: &RealNode) -> BTreeMap<&'static str, String> {
+fn host_state(node: Node<'_>) -> BTreeMap<&'static str, String> {
     let ns = node_netns(node);
     let rules = node_rules(node);
     let istio_lines = |s: &str| {
@@ -328,7 +440,7 @@ fn host_state(node: &RealNode) -> BTreeMap<&'static str, String> {
     out
 }
 
-fn ls(node: &RealNode, path: &str) -> String {
+fn ls(node: Node<'_>, path: &str) -> String {
     let out = node.try_script(&["exec", "ls", "-A", path]);
     if out.status.success() {
         String::from_utf8_lossy(&out.stdout).trim().to_string()
@@ -339,7 +451,7 @@ fn ls(node: &RealNode, path: &str) -> String {
 
 /// What is in a pod's network namespace of either agent: iptables `ISTIO_*` chains and rules in
 /// either variant, our nftables tables, policy rules and routes beyond the main table.
-fn pod_state(node: &RealNode, uid: &str) -> String {
+fn pod_state(node: Node<'_>, uid: &str) -> String {
     let netns = node.pod_netns(uid).expect("the pod's netns");
     let rules = pod_rules(node, uid);
     let mut s = String::new();
@@ -374,7 +486,7 @@ fn pod_state(node: &RealNode, uid: &str) -> String {
 }
 
 /// Whether pod `uid` holds iptables redirect rules (either variant), and our nftables tables.
-fn backends_in_pod(node: &RealNode, uid: &str) -> (bool, bool) {
+fn backends_in_pod(node: Node<'_>, uid: &str) -> (bool, bool) {
     let rules = pod_rules(node, uid);
     let tables = netns_exec(&node.pod_netns(uid).unwrap(), "nft", &["list", "tables"]);
     (
@@ -387,39 +499,52 @@ fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
-async fn migration(ours: Backend) -> Vec<Row> {
-    let node = RealNode::up().await;
-    let nodes_list = [&node];
-    let start_conflist = node.read(CONFLIST).expect("the node's conflist");
-    let start_host: Vec<_> = nodes_list.iter().map(|n| host_state(n)).collect();
+/// The migration on a cluster of `nodes` nodes, switched `how`.
+async fn migration(ours: Backend, nodes: usize, how: How) -> Vec<Row> {
+    let c = RealNode::up_nodes(nodes).await;
+    let nodes_list = c.nodes();
+    let start_conflist: Vec<String> = nodes_list
+        .iter()
+        .map(|n| n.read(CONFLIST).expect("the node's conflist"))
+        .collect();
+    let start_host: Vec<_> = nodes_list.iter().map(|n| host_state(*n)).collect();
+    let on_delete: &[&str] = match how {
+        How::Rolling => &[],
+        How::NodeByNode => ON_DELETE,
+    };
 
-    // Istio's agent, from Istio's chart, with ambient and sidecar pods it enrolled.
-    helm_cni(&node, "install", true).await;
-    install_peer(&node).await;
-    assert_eq!(agent_state(&node).image, ISTIO_IMAGE);
-    let istio_conflist = node.read(CONFLIST).unwrap();
-    node.namespace("mesh", true).await;
-    node.namespace("side", false).await;
+    // Istio's agent, from Istio's chart, with ambient and sidecar pods it enrolled on each node.
+    helm_cni_with(&c, "install", true, on_delete).await;
+    install_peer(&c).await;
+    for n in &nodes_list {
+        assert_eq!(agent_pod_image(*n), ISTIO_IMAGE, "{}", n.name());
+    }
+    let istio_conflist: Vec<String> = nodes_list
+        .iter()
+        .map(|n| n.read(CONFLIST).unwrap())
+        .collect();
+    c.namespace("mesh", true).await;
+    c.namespace("side", false).await;
     let mut nodes = Vec::new();
-    for node in nodes_list {
-        let gateway = GATEWAY;
+    for node in nodes_list.iter().copied() {
+        let (k, gateway) = (node.index(), gateway_of(node));
         let mut uids = Vec::new();
         for i in 0..3 {
-            let name = format!("istio-{i}");
-            uids.push((
-                name.clone(),
-                create(node, "mesh", witness_pod_to(&name, gateway)).await,
-            ));
+            let name = format!("istio-{k}-{i}");
+            let pod = on_node(witness_pod_to(&name, &gateway), &node.name());
+            uids.push((name, create(&c, "mesh", pod).await));
         }
-        create(node, "side", sidecar_pod("sidecar-0", gateway)).await;
+        let sidecar = format!("sidecar-{k}");
+        let pod = on_node(sidecar_pod(&sidecar, &gateway), &node.name());
+        create(&c, "side", pod).await;
         // The bridge, and with it the gateway address the witness listens on, comes with the
         // node's first pod.
-        wait_running(node, "mesh", "istio-0").await;
-        let mut n = NodeUnderTest::new(node, gateway).await;
+        wait_running(&c, "mesh", &uids[0].0).await;
+        let mut n = NodeUnderTest::new(node).await;
         for (name, uid) in uids {
             n.adopt_ambient(&name, &uid, "Istio's agent").await;
         }
-        n.adopt_sidecar("sidecar-0").await;
+        n.adopt_sidecar(&sidecar).await;
         nodes.push(n);
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -436,37 +561,47 @@ async fn migration(ours: Backend) -> Vec<Row> {
         Backend::Iptables => "global.nativeNftables=false",
     };
     let to_ours = format!("istio-to-ours-{}", format!("{ours:?}").to_lowercase());
-    rows.extend(switch(&mut nodes, &to_ours, false, &["--set", backend_set], false).await);
+    rows.extend(
+        switch(
+            &mut nodes,
+            &to_ours,
+            false,
+            &["--set", backend_set],
+            false,
+            how,
+        )
+        .await,
+    );
     for n in &nodes {
-        let out = n.node.kubectl(&[
+        let first = n.ambient.keys().next().unwrap();
+        let out = c.kubectl(&[
             "-n",
             "istio-system",
             "exec",
-            "ds/istio-cni-node",
+            &agent_pod(n.node),
             "--",
             "install-cni",
             "explain",
-            "mesh/istio-0",
+            &format!("mesh/{first}"),
         ]);
         assert!(out.contains("meshed:      yes"), "{out}");
         // Our agent moved every pod Istio's agent enrolled to the backend it uses.
         for (name, uid) in &n.ambient {
-            n.node
-                .eventually(
-                    &format!("{name} redirected by our {ours:?} backend alone"),
-                    Duration::from_secs(60),
-                    || async {
-                        let (ipt, nft) = backends_in_pod(n.node, uid);
-                        ((ipt, nft) == (ours == Backend::Iptables, ours == Backend::Nftables))
-                            .then_some(())
-                    },
-                )
-                .await;
+            c.eventually(
+                &format!("{name} redirected by our {ours:?} backend alone"),
+                Duration::from_secs(60),
+                || async {
+                    let (ipt, nft) = backends_in_pod(n.node, uid);
+                    ((ipt, nft) == (ours == Backend::Iptables, ours == Backend::Nftables))
+                        .then_some(())
+                },
+            )
+            .await;
         }
     }
 
     // And back. Istio's agent knows only iptables: from our nftables backend, to our iptables
-    // backend first (a ConfigMap value: the DaemonSet needs a restart to see it).
+    // backend first (a ConfigMap value: a rolling DaemonSet needs a restart to see it).
     if ours == Backend::Nftables {
         rows.extend(
             switch(
@@ -475,6 +610,7 @@ async fn migration(ours: Backend) -> Vec<Row> {
                 false,
                 &["--set", "global.nativeNftables=false"],
                 true,
+                how,
             )
             .await,
         );
@@ -487,14 +623,16 @@ async fn migration(ours: Backend) -> Vec<Row> {
             true,
             &["--set", "env.FORCE_IPTABLES_BINARY=nft"],
             false,
+            how,
         )
         .await,
     );
-    for n in &nodes {
+    for (n, istio_conflist) in nodes.iter().zip(&istio_conflist) {
         assert_eq!(
-            n.node.read(CONFLIST).unwrap(),
+            &n.node.read(CONFLIST).unwrap(),
             istio_conflist,
-            "Istio's CNI config after the round trip"
+            "Istio's CNI config on {} after the round trip",
+            n.node.name()
         );
         // Istio's agent adopted every pod: each has Istio's rules, in the node's variant only,
         // and nothing of our nftables backend.
@@ -507,37 +645,46 @@ async fn migration(ours: Backend) -> Vec<Row> {
         let host = node_rules(n.node);
         assert!(!host.legacy.contains("ISTIO"), "{}", host.legacy);
     }
-    let results: Vec<BTreeMap<String, Probed>> =
-        nodes.into_iter().map(|n| n.prober.stop()).collect();
-    eprintln!("probes per pod: {results:#?}");
+    let mut results: Vec<(Node<'_>, BTreeMap<String, Probed>)> = Vec::new();
+    for n in nodes {
+        let (node, ambient) = (n.node, n.ambient.clone());
+        let probed = n.prober.stop();
+        assert_eq!(probed.len(), ambient.len());
+        results.push((node, probed));
+    }
+    eprintln!(
+        "probes per pod: {results:#?}",
+        results = results
+            .iter()
+            .map(|(n, r)| (n.name(), r))
+            .collect::<Vec<_>>()
+    );
 
     // Out of the mesh: Istio's agent takes its rules out of every pod, ours included.
-    label_namespace(&node, "mesh", false).await;
-    let pods = results[0].keys().cloned().collect::<Vec<_>>();
-    for name in &pods {
-        wait_redirection(&node, "mesh", name, None).await;
+    label_namespace(&c, "mesh", false).await;
+    for (_, probed) in &results {
+        for name in probed.keys() {
+            wait_redirection(&c, "mesh", name, None).await;
+        }
     }
-    for name in &pods {
-        let uid = get(&node, "mesh", name)
-            .await
-            .unwrap()
-            .metadata
-            .uid
-            .unwrap();
-        wait_peer_has(&node, &uid, false).await;
-        let left = pod_state(&node, &uid);
-        assert!(
-            left.trim().is_empty(),
-            "{name} out of the mesh still has:\n{left}"
-        );
+    for (node, probed) in &results {
+        for name in probed.keys() {
+            let uid = get(&c, "mesh", name).await.unwrap().metadata.uid.unwrap();
+            wait_peer_has(*node, &uid, false).await;
+            let left = pod_state(*node, &uid);
+            assert!(
+                left.trim().is_empty(),
+                "{name} out of the mesh still has:\n{left}"
+            );
+        }
     }
     // The final uninstall.
     for ns in ["mesh", "side"] {
-        node.kubectl(&["-n", ns, "delete", "pods", "--all", "--wait=true"]);
+        c.kubectl(&["-n", ns, "delete", "pods", "--all", "--wait=true"]);
     }
-    node.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
-    node.eventually("the agent's pod gone", Duration::from_secs(60), || async {
-        let pods = node.kubectl(&[
+    c.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
+    c.eventually("the agents' pods gone", Duration::from_secs(60), || async {
+        let pods = c.kubectl(&[
             "-n",
             "istio-system",
             "get",
@@ -550,33 +697,36 @@ async fn migration(ours: Backend) -> Vec<Row> {
         pods.trim().is_empty().then_some(())
     })
     .await;
-    let end_conflist = node.read(CONFLIST).unwrap();
-    assert_eq!(
-        json(&end_conflist),
-        json(&start_conflist),
-        "the CNI config after the final uninstall"
-    );
-    for (n, before) in nodes_list.iter().zip(&start_host) {
+    for ((n, start), before) in nodes_list.iter().zip(&start_conflist).zip(&start_host) {
+        let end_conflist = n.read(CONFLIST).unwrap();
         assert_eq!(
-            &host_state(n),
+            json(&end_conflist),
+            json(start),
+            "the CNI config on {} after the final uninstall",
+            n.name()
+        );
+        assert_eq!(
+            &host_state(*n),
             before,
-            "left on the node after the final uninstall"
+            "left on {} after the final uninstall",
+            n.name()
         );
     }
     rows
 }
 
-fn print_rows(backend: Backend, rows: &[Row]) {
-    eprintln!("\nmigration, our {backend:?} backend:");
+fn print_rows(backend: Backend, how: How, rows: &[Row]) {
+    eprintln!("\nmigration, our {backend:?} backend, {how:?}:");
     eprintln!(
-        "| switch | node | gap (s) | pods created | sandbox wait (s) | probes | escaped | failed |"
+        "| switch | node | agent replaced | gap (s) | pods created | sandbox wait (s) | probes | escaped | failed |"
     );
-    eprintln!("|---|---|---|---|---|---|---|---|");
+    eprintln!("|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         eprintln!(
-            "| {} | {} | {} | {} | {}–{} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {}–{} | {} | {} | {} |",
             r.switch,
             r.node,
+            if r.replaced { "yes" } else { "no" },
             secs(r.gap),
             r.created,
             secs(r.waited_min),
@@ -588,22 +738,24 @@ fn print_rows(backend: Backend, rows: &[Row]) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn istio_to_ours_with_nftables_and_back_under_a_100ms_prober() {
+async fn run(backend: Backend, nodes: usize, how: How) {
     dataplane::require_root!();
     let _one = ONE_NODE.lock().await;
     let t0 = Instant::now();
-    let rows = migration(Backend::Nftables).await;
-    print_rows(Backend::Nftables, &rows);
+    let rows = migration(backend, nodes, how).await;
+    print_rows(backend, how, &rows);
     eprintln!("took {:?}", t0.elapsed());
 }
 
+/// Two nodes, node by node: the cluster runs Istio's agent on one node and ours on the other
+/// between the steps, both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istio_to_ours_with_nftables_and_back_node_by_node_under_a_100ms_prober() {
+    run(Backend::Nftables, 2, How::NodeByNode).await;
+}
+
+/// One node, the DaemonSet's rolling update.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn istio_to_ours_with_iptables_and_back_under_a_100ms_prober() {
-    dataplane::require_root!();
-    let _one = ONE_NODE.lock().await;
-    let t0 = Instant::now();
-    let rows = migration(Backend::Iptables).await;
-    print_rows(Backend::Iptables, &rows);
-    eprintln!("took {:?}", t0.elapsed());
+    run(Backend::Iptables, 1, How::Rolling).await;
 }
