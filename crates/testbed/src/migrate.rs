@@ -5,7 +5,7 @@
 //! tests of `tests/real_node_iptables.rs` and `tests/istio_agent.rs` check them.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use crate::real_node::{Node, PEER, RealNode, VALUES};
@@ -160,27 +160,51 @@ pub const ON_DELETE: &[&str] = &[
     "updateStrategy.rollingUpdate=null",
 ];
 
+/// `kubectl get pods` of the agent's DaemonSet (on node `on` only, if given) printed as
+/// `output` (`-o`); the command's output, failures included (a step may be retried).
+pub fn get_agent_pods(real: &RealNode, on: Option<&str>, output: &str) -> Output {
+    let node_is = on.map(|name| format!("spec.nodeName={name}"));
+    let mut args = vec![
+        "kubectl",
+        "-n",
+        "istio-system",
+        "get",
+        "pods",
+        "-l",
+        "k8s-app=istio-cni-node",
+        "-o",
+        output,
+    ];
+    if let Some(node_is) = &node_is {
+        args.extend(["--field-selector", node_is]);
+    }
+    real.try_script(&args)
+}
+
+/// [`get_agent_pods`] that must succeed: its stdout.
+pub fn agent_pods(real: &RealNode, on: Option<&str>, output: &str) -> String {
+    let out = get_agent_pods(real, on, output);
+    assert!(
+        out.status.success(),
+        "kubectl get pods of the agent failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// The agent pod (`istio-cni-node`) running on `node`, by name.
 pub fn agent_pod<'a>(node: impl Into<Node<'a>>) -> String {
     let node = node.into();
     let name = node.name();
-    node.cluster()
-        .kubectl(&[
-            "-n",
-            "istio-system",
-            "get",
-            "pods",
-            "-l",
-            "k8s-app=istio-cni-node",
-            "--field-selector",
-            &format!("spec.nodeName={name}"),
-            "-o",
-            "jsonpath={.items[*].metadata.name}",
-        ])
-        .split_whitespace()
-        .next()
-        .unwrap_or_else(|| panic!("no agent pod on {name}"))
-        .to_string()
+    agent_pods(
+        node.cluster(),
+        Some(&name),
+        "jsonpath={.items[*].metadata.name}",
+    )
+    .split_whitespace()
+    .next()
+    .unwrap_or_else(|| panic!("no agent pod on {name}"))
+    .to_string()
 }
 
 /// The image of the agent pod running on `node` (with [`ON_DELETE`], not the DaemonSet's).
@@ -208,19 +232,11 @@ pub async fn replace_agent_pod<'a>(node: impl Into<Node<'a>>) {
         &format!("a new agent pod on {}", node.name()),
         Duration::from_secs(90),
         || async {
-            let out = real.try_script(&[
-                "kubectl",
-                "-n",
-                "istio-system",
-                "get",
-                "pods",
-                "-l",
-                "k8s-app=istio-cni-node",
-                "--field-selector",
-                &format!("spec.nodeName={}", node.name()),
-                "-o",
+            let out = get_agent_pods(
+                real,
+                Some(&node.name()),
                 "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].ready}{\"\\n\"}{end}",
-            ]);
+            );
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
             text.lines()
                 .any(|l| !l.starts_with(&format!("{old} ")) && l.ends_with(" true"))

@@ -427,16 +427,11 @@ pub struct AgentState {
 
 pub fn agent_state(node: &crate::real_node::RealNode) -> AgentState {
     let image = crate::migrate::agent_image(node);
-    let pods = node.kubectl(&[
-        "-n",
-        "istio-system",
-        "get",
-        "pods",
-        "-l",
-        "k8s-app=istio-cni-node",
-        "-o",
+    let pods = crate::migrate::agent_pods(
+        node,
+        None,
         "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].ready} {.spec.containers[0].image}{\"\\n\"}{end}",
-    ]);
+    );
     AgentState {
         image,
         pods: pods.lines().map(str::to_string).collect(),

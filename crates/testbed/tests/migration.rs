@@ -38,9 +38,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use testbed::migrate::{
-    ISTIO_IMAGE, ON_DELETE, agent_pod, agent_pod_image, helm_cni_run, helm_cni_with, install_peer,
-    netns_exec, node_rules, peer_workloads, pod_rules, redirected_now, replace_agent_pod,
-    wait_peer_has,
+    ISTIO_IMAGE, ON_DELETE, agent_pod, agent_pod_image, agent_pods, helm_cni_run, helm_cni_with,
+    install_peer, netns_exec, node_rules, peer_workloads, pod_rules, redirected_now,
+    replace_agent_pod, wait_peer_has,
 };
 use testbed::real_node::{
     CONFLIST, GATEWAY, Node, REDIRECTION, RealNode, annotation, create, get, label_namespace,
@@ -684,16 +684,7 @@ async fn migration(ours: Backend, nodes: usize, how: How) -> Vec<Row> {
     }
     c.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
     c.eventually("the agents' pods gone", Duration::from_secs(60), || async {
-        let pods = c.kubectl(&[
-            "-n",
-            "istio-system",
-            "get",
-            "pods",
-            "-l",
-            "k8s-app=istio-cni-node",
-            "-o",
-            "name",
-        ]);
+        let pods = agent_pods(&c, None, "name");
         pods.trim().is_empty().then_some(())
     })
     .await;

@@ -232,16 +232,7 @@ async fn create_while<F: std::future::Future<Output = ()>>(
 }
 
 async fn agent_pod(node: &RealNode) -> String {
-    node.kubectl(&[
-        "-n",
-        "istio-system",
-        "get",
-        "pods",
-        "-l",
-        "k8s-app=istio-cni-node",
-        "-o",
-        "jsonpath={.items[0].metadata.name}",
-    ])
+    testbed::migrate::agent_pods(node, None, "jsonpath={.items[0].metadata.name}")
 }
 
 /// Deletes the agent's pod (with `how`'s extra `kubectl delete` flags) while ambient pods
