@@ -1,15 +1,17 @@
-//! Rule dumps read back from the kernel (`NFT_MSG_NEWRULE` payloads) go through our own netlink
-//! attribute decoder: no byte sequence may panic it, and a decoded rule renders.
+//! Dumps read back from the kernel (`NFT_MSG_NEWRULE` and `NFT_MSG_NEWSETELEM` payloads) go
+//! through our own netlink attribute decoder: no byte sequence may panic it, and a decoded rule
+//! renders.
 //!
 //! Run: `scripts/fuzz netlink_decode`
 
 #![no_main]
 
-use dataplane::nft::wire::decode_rule;
+use dataplane::nft::wire::{decode_rule, decode_set_elements};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(Some((_table, rule))) = decode_rule(data) {
         let _ = rule.body();
     }
+    let _ = decode_set_elements(data);
 });

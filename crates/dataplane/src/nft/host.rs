@@ -16,7 +16,9 @@ use netlink_packet_netfilter::nftables::{
     SetElementMessage,
 };
 
-use super::wire::{Batch, change, find_tlv, nul_terminated, push_tlv, string_of};
+use super::wire::{
+    Batch, change, find_tlv, nul_terminated, push_tlv, read_set_elements, string_of,
+};
 use super::{NftAccess, NftError, with_socket};
 use crate::netlink::{NetlinkError, NetlinkSocket};
 use crate::netns::Netns;
@@ -284,67 +286,31 @@ fn upsert_batch(
 }
 
 fn list_set(sock: &mut NetlinkSocket, set: &str) -> Result<Vec<ProbeEntry>, NetlinkError> {
-    let req = netlink_packet_netfilter::NetfilterMessage::new(
-        netlink_packet_netfilter::NetfilterHeader::new(
-            netlink_packet_netfilter::NetfilterProtoFamily::Inet,
-            0,
-            0,
-        ),
-        NfTablesMessage::GetSetElement(SetElementMessage {
-            attributes: vec![
-                SetElementList::Table(NAT_TABLE.to_string()),
-                SetElementList::Set(set.to_string()),
-            ],
-        }),
-    );
-    let replies = match sock.dump(req) {
-        Ok(r) => r,
+    let elements = match read_set_elements(sock, NAT_TABLE, set) {
+        Ok(e) => e,
         // No table or set yet: nothing enrolled.
         Err(e) if e.errno() == Some(ENOENT) => return Ok(vec![]),
         Err(e) => return Err(e),
     };
-    let mut out = Vec::new();
-    for reply in replies {
-        let netlink_packet_netfilter::NetfilterMessageInner::NfTables(
-            NfTablesMessage::NewSetElement(m),
-        ) = reply.inner
-        else {
-            continue;
-        };
-        for attr in m.attributes {
-            let SetElementList::Elements(elems) = attr else {
-                continue;
-            };
-            for elem in elems {
-                let ListAttribute::Element(attrs) = elem else {
-                    continue;
-                };
-                let mut ip = None;
-                let mut uid = String::new();
-                for a in attrs {
-                    match a {
-                        SetElementAttribute::Key(DataAttribute::Value(v)) => {
-                            ip = match v.len() {
-                                4 => <[u8; 4]>::try_from(v.as_slice()).ok().map(IpAddr::from),
-                                16 => <[u8; 16]>::try_from(v.as_slice()).ok().map(IpAddr::from),
-                                _ => None,
-                            }
-                        }
-                        SetElementAttribute::UserData(u) => {
-                            uid = find_tlv(&u, UDATA_SET_ELEM_COMMENT)
-                                .map(string_of)
-                                .unwrap_or_default()
-                        }
-                        _ => {}
-                    }
-                }
-                if let Some(ip) = ip {
-                    out.push(ProbeEntry { ip, pod_uid: uid });
-                }
-            }
-        }
-    }
-    Ok(out)
+    Ok(elements
+        .into_iter()
+        .filter_map(|e| {
+            let ip = match e.key.len() {
+                4 => <[u8; 4]>::try_from(e.key.as_slice()).ok().map(IpAddr::from),
+                16 => <[u8; 16]>::try_from(e.key.as_slice())
+                    .ok()
+                    .map(IpAddr::from),
+                _ => None,
+            }?;
+            let pod_uid = e
+                .user_data
+                .as_deref()
+                .and_then(|u| find_tlv(u, UDATA_SET_ELEM_COMMENT))
+                .map(string_of)
+                .unwrap_or_default();
+            Some(ProbeEntry { ip, pod_uid })
+        })
+        .collect())
 }
 
 /// The set definitions the host table carries (for callers that render or explain).
@@ -430,6 +396,51 @@ pub fn kubelet_uid(proc_root: &Path) -> Result<u32, KubeletUidError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn set_elements_decode_as_the_netlink_crate_encodes_them() {
+        use netlink_packet_core::NetlinkSerializable;
+        use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
+        let mut udata = Vec::new();
+        push_tlv(&mut udata, UDATA_SET_ELEM_COMMENT, &nul_terminated("uid-1"));
+        let v4: IpAddr = "10.244.0.7".parse().unwrap();
+        let v6: IpAddr = "fd00::7".parse().unwrap();
+        let msg = NetfilterMessage::new(
+            NetfilterHeader::new(NetfilterProtoFamily::Inet, 0, 0),
+            element_msg(
+                "probes",
+                vec![
+                    vec![key(v4), SetElementAttribute::UserData(udata.clone())],
+                    vec![key(v6)],
+                ],
+                false,
+            ),
+        );
+        let mut payload = vec![0; msg.buffer_len()];
+        msg.serialize(&mut payload);
+        let elements = super::super::wire::decode_set_elements(&payload).unwrap();
+        assert_eq!(
+            elements,
+            [
+                super::super::wire::SetElement {
+                    key: ip_bytes(v4),
+                    user_data: Some(udata),
+                },
+                super::super::wire::SetElement {
+                    key: ip_bytes(v6),
+                    user_data: None,
+                },
+            ]
+        );
+        // A length running past the end is an error naming the message, not a panic.
+        let err = super::super::wire::decode_set_elements(&payload[..payload.len() - 3]);
+        assert!(
+            err.unwrap_err()
+                .to_string()
+                .contains("malformed set element message"),
+            "truncated"
+        );
+    }
 
     fn proc_entry(root: &Path, pid: u32, comm: &str, cmdline: &[&str], uid: u32) {
         let dir = root.join(pid.to_string());
