@@ -7,7 +7,9 @@
 
 use cni_core::redirect::consts::{MARK_MASK, ROUTE_TABLE, RULE_PRIORITY, TPROXY_MARK};
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
-use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
+use netlink_packet_route::link::{
+    AfSpecInet6, AfSpecUnspec, LinkAttribute, LinkFlags, LinkMessage,
+};
 use netlink_packet_route::route::{
     RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
@@ -91,14 +93,6 @@ pub fn desired(ipv6: bool, lo_ipv6: bool) -> Vec<RoutePiece> {
     out
 }
 
-/// Whether the calling thread's namespace has IPv6 on `lo`. Read errors count as enabled, as in
-/// Istio (the route add then reports the real problem).
-fn lo_ipv6_enabled() -> bool {
-    std::fs::read_to_string("/proc/sys/net/ipv6/conf/lo/disable_ipv6")
-        .map(|s| s.trim() != "1")
-        .unwrap_or(true)
-}
-
 /// Installs the pieces `ipv6` asks for in `netns`. Idempotent: present pieces are left alone.
 pub fn apply(netns: &Netns, ipv6: bool) -> Result<(), RouteError> {
     apply_policy(netns, ipv6, &Policy::AMBIENT)
@@ -108,13 +102,13 @@ pub fn apply(netns: &Netns, ipv6: bool) -> Result<(), RouteError> {
 pub fn apply_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<(), RouteError> {
     netns.run(|| {
         let mut sock = open()?;
-        let lo = loopback_index(&mut sock)?;
+        let lo = loopback(&mut sock)?;
         // The runtime may run the loopback plugin in parallel with the chain (containerd does), so
         // `lo` can still be down here; the kernel refuses an IPv6 route on a down device
         // (ENETDOWN). Setting it up is what the loopback plugin does anyway.
-        set_up(&mut sock, lo)?;
-        for piece in desired(ipv6, lo_ipv6_enabled()) {
-            add(&mut sock, piece, lo, policy)?;
+        set_up(&mut sock, lo.index)?;
+        for piece in desired(ipv6, lo.ipv6) {
+            add(&mut sock, piece, lo.index, policy)?;
         }
         Ok(())
     })?
@@ -130,7 +124,7 @@ pub fn remove(netns: &Netns) -> Result<(), RouteError> {
 pub fn remove_policy(netns: &Netns, policy: &Policy) -> Result<(), RouteError> {
     netns.run(|| {
         let mut sock = open()?;
-        let lo = loopback_index(&mut sock)?;
+        let lo = loopback(&mut sock)?.index;
         let mut errs = Vec::new();
         for piece in [
             RoutePiece::MarkRuleV4,
@@ -184,7 +178,7 @@ pub fn read(netns: &Netns, ipv6: bool) -> Result<RouteState, RouteError> {
 pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteState, RouteError> {
     netns.run(|| {
         let mut sock = open()?;
-        let lo = loopback_index(&mut sock)?;
+        let lo = loopback(&mut sock)?;
         let mut present = Vec::new();
         for (family, route, rule) in [
             (
@@ -202,7 +196,7 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
             msg.header.address_family = family;
             let routes = dump(&mut sock, RouteNetlinkMessage::GetRoute(msg), "list routes")?;
             if routes.iter().any(
-                |m| matches!(m, RouteNetlinkMessage::NewRoute(r) if is_our_route(r, lo, policy)),
+                |m| matches!(m, RouteNetlinkMessage::NewRoute(r) if is_our_route(r, lo.index, policy)),
             ) {
                 present.push(route);
             }
@@ -219,7 +213,7 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
         present.sort();
         Ok(RouteState {
             present,
-            desired: desired(ipv6, lo_ipv6_enabled()),
+            desired: desired(ipv6, lo.ipv6),
         })
     })?
 }
@@ -256,7 +250,18 @@ fn dump(
     })
 }
 
-fn loopback_index(sock: &mut NetlinkSocket) -> Result<u32, RouteError> {
+/// The namespace's `lo`: its index, and whether it has IPv6.
+struct Loopback {
+    index: u32,
+    ipv6: bool,
+}
+
+/// Finds `lo` in one link dump. Its IPv6 state comes from the same message (the inet6 devconf's
+/// `disable_ipv6` in `IFLA_AF_SPEC`) rather than `/proc/sys/net/ipv6/conf/lo/disable_ipv6`,
+/// whose path walk was a tenth of the agent's CPU across drift checks. No inet6 part (IPv6 off
+/// in the kernel) counts as enabled, as a read error of that file does in Istio: the route add
+/// then reports the real problem.
+fn loopback(sock: &mut NetlinkSocket) -> Result<Loopback, RouteError> {
     let links = dump(
         sock,
         RouteNetlinkMessage::GetLink(LinkMessage::default()),
@@ -270,11 +275,26 @@ fn loopback_index(sock: &mut NetlinkSocket) -> Result<u32, RouteError> {
                     .iter()
                     .any(|a| matches!(a, LinkAttribute::IfName(n) if n == "lo")) =>
             {
-                Some(l.header.index)
+                Some(Loopback {
+                    index: l.header.index,
+                    ipv6: !ipv6_disabled(&l.attributes),
+                })
             }
             _ => None,
         })
         .ok_or(RouteError::NoLoopback)
+}
+
+fn ipv6_disabled(attrs: &[LinkAttribute]) -> bool {
+    attrs.iter().any(|a| match a {
+        LinkAttribute::AfSpecUnspec(specs) => specs.iter().any(|s| match s {
+            AfSpecUnspec::Inet6(inet6) => inet6
+                .iter()
+                .any(|i| matches!(i, AfSpecInet6::DevConf(c) if c.disable_ipv6 == 1)),
+            _ => false,
+        }),
+        _ => false,
+    })
 }
 
 fn set_up(sock: &mut NetlinkSocket, index: u32) -> Result<(), RouteError> {

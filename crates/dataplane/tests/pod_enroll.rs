@@ -111,3 +111,24 @@ fn failed_enroll_of_a_fresh_pod_leaves_no_routes() {
     assert_eq!(ns.exec("ip", &["route", "show", "table", "100"]).trim(), "");
     assert!(!ns.exec("ip", &["rule"]).contains("0x111"));
 }
+
+#[test]
+fn lo_without_ipv6_gets_no_ipv6_local_route() {
+    use dataplane::routes::{self, RoutePiece};
+    dataplane::require_root!();
+    let ns = TestNetns::new("noip6");
+    let netns = ns.open();
+    ns.exec("sysctl", &["-qw", "net.ipv6.conf.lo.disable_ipv6=1"]);
+    routes::apply(&netns, true).unwrap();
+    let state = routes::read(&netns, true).unwrap();
+    assert!(
+        !state.desired.contains(&RoutePiece::LocalRouteV6),
+        "{:?}",
+        state.desired
+    );
+    assert!(state.missing().is_empty(), "{:?}", state.missing());
+    // With IPv6 back on `lo`, the same read asks for the IPv6 route too.
+    ns.exec("sysctl", &["-qw", "net.ipv6.conf.lo.disable_ipv6=0"]);
+    let state = routes::read(&netns, true).unwrap();
+    assert_eq!(state.missing(), [RoutePiece::LocalRouteV6]);
+}
