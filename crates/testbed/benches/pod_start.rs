@@ -26,6 +26,7 @@ use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
 use serde_json::json;
+use testbed::cpu_profile::{self, Profile};
 use testbed::istio_mesh::Mesh;
 use testbed::real_node::{PEER, RealNode, ZTUNNEL, busybox_pod};
 
@@ -150,7 +151,19 @@ async fn sandbox_failures(client: &kube::Client, namespace: &str) -> usize {
         .sum()
 }
 
-async fn delete_all(node: &RealNode, api: &Api<Pod>) {
+/// Deletes every pod of `api` and waits until their containers and shims are gone from the node
+/// too (the API forgets a pod deleted with no grace period before its sandbox is torn down), so
+/// the next phase neither shares the node with a teardown nor is charged for one. `shims`: how
+/// many shims the node runs without the bench's pods.
+async fn delete_all(node: &RealNode, api: &Api<Pod>, shims: usize) {
+    let uids: Vec<String> = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|p| p.metadata.uid)
+        .collect();
     let dp = DeleteParams {
         grace_period_seconds: Some(0),
         ..DeleteParams::default()
@@ -167,7 +180,17 @@ async fn delete_all(node: &RealNode, api: &Api<Pod>) {
             .then_some(())
     })
     .await;
+    node.eventually("pods' processes gone", Duration::from_secs(180), || async {
+        let left = uids
+            .iter()
+            .any(|uid| !node.pod_processes(&format!("pod{uid}/"), None).is_empty());
+        (!left && node.node_processes(SHIM).len() <= shims).then_some(())
+    })
+    .await;
 }
+
+/// A containerd shim as `/proc/<pid>/comm` names it (truncated to 15 characters).
+const SHIM: &str = "containerd-shim";
 
 /// When istiod first listed each pod of a namespace as HBONE, polled from its `/debug/ambientz`.
 #[derive(Clone, Default)]
@@ -238,6 +261,55 @@ impl Hbone {
     }
 }
 
+/// One column per phase: the CPU time each process name of the node used from the first POST
+/// until the last pod was Running, own + reaped children's, for names above 50 ms in any phase.
+fn print_profiles(profiles: &[(&str, &str, Profile)]) {
+    let mut names: Vec<&str> = Vec::new();
+    for (_, _, p) in profiles {
+        for u in &p.by_name {
+            if (u.own + u.reaped).as_millis() >= 50 && !names.contains(&u.comm.as_str()) {
+                names.push(&u.comm);
+            }
+        }
+    }
+    let head: Vec<String> = profiles
+        .iter()
+        .map(|(label, mode, _)| format!("{label}, {mode}: CPU ms own (+ reaped children)"))
+        .collect();
+    println!("| process (node's, by name) | {} |", head.join(" | "));
+    println!("|---|{}", "---|".repeat(profiles.len()));
+    for name in names {
+        let cells: Vec<String> = profiles
+            .iter()
+            .map(
+                |(_, _, p)| match p.by_name.iter().find(|u| u.comm == name) {
+                    Some(u) if u.reaped.is_zero() => format!("{}", u.own.as_millis()),
+                    Some(u) => format!("{} (+ {})", u.own.as_millis(), u.reaped.as_millis()),
+                    None => "0".into(),
+                },
+            )
+            .collect();
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+    let total: Vec<String> = profiles
+        .iter()
+        .map(|(_, _, p)| {
+            let ms: u128 = p
+                .by_name
+                .iter()
+                .map(|u| (u.own + u.reaped).as_millis())
+                .sum();
+            format!("{ms}")
+        })
+        .collect();
+    println!("| all of the node | {} |", total.join(" | "));
+    let busy: Vec<String> = profiles
+        .iter()
+        .map(|(_, _, p)| format!("{:.0} %", p.machine_busy * 100.0))
+        .collect();
+    println!("| the machine's CPUs busy | {} |", busy.join(" | "));
+}
+
 #[tokio::main]
 async fn main() {
     if !nix::unistd::geteuid().is_root() {
@@ -277,8 +349,10 @@ async fn main() {
     };
     let client = node.client();
     let mut lag_rows = Vec::new();
+    let shims = node.node_processes(SHIM).len();
 
     let mut rows = Vec::new();
+    let mut profiles = Vec::new();
     for (label, ambient) in [("non-mesh", false), ("ambient", true)] {
         let ns_name = format!("bench-{}", if ambient { "ambient" } else { "plain" });
         let labels = if ambient {
@@ -312,7 +386,13 @@ async fn main() {
                 Some(m) if ambient => Some(Hbone::poll(m.clone(), &ns_name)),
                 _ => None,
             };
+            let before = cpu_profile::snapshot(node.holder_pid());
             let times = create(&api, &running, &names, burst).await;
+            profiles.push((
+                label,
+                mode,
+                cpu_profile::between(&before, &cpu_profile::snapshot(node.holder_pid())),
+            ));
             if let Some((hbone, task)) = poller {
                 let (lags, from_ip) = hbone.lags(&running, &names).await;
                 task.abort();
@@ -357,7 +437,7 @@ async fn main() {
                 max,
                 failures,
             ));
-            delete_all(node, &api).await;
+            delete_all(node, &api, shims).await;
             // Events outlive their pods: the next mode counts only its own.
             let dp = DeleteParams::default();
             Api::<Event>::namespaced(client.clone(), &ns_name)
@@ -386,6 +466,8 @@ async fn main() {
             );
         }
     }
+    println!();
+    print_profiles(&profiles);
     // The node goes down here; then exit without waiting for the runtime: the pod watches
     // retry against the gone API server without pause, and one run hung at shutdown after its
     // tables were printed. (A mesh node also has its watchdog, which tears it down at exit.)

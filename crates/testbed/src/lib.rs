@@ -4,6 +4,7 @@
 pub mod api_proxy;
 pub mod churn;
 pub mod cni_runtime;
+pub mod cpu_profile;
 pub mod istio_agent;
 pub mod istio_mesh;
 pub mod kube;
