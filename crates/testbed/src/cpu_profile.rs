@@ -143,10 +143,10 @@ pub fn between(before: &Snapshot, after: &Snapshot) -> Profile {
     // spent before the first snapshot: that part is taken out of the reaper's growth.
     let mut spent_before: HashMap<u32, u64> = HashMap::new();
     for (pid, then) in &before.processes {
-        if !after
+        if after
             .processes
             .get(pid)
-            .is_some_and(|now| now.comm == then.comm)
+            .is_none_or(|now| now.comm != then.comm)
         {
             *spent_before.entry(then.ppid).or_default() += then.own + then.reaped;
         }
@@ -167,7 +167,7 @@ pub fn between(before: &Snapshot, after: &Snapshot) -> Profile {
             reaped: tick * reaped as u32,
         })
         .collect();
-    by_name.sort_by(|a, b| (b.own + b.reaped).cmp(&(a.own + a.reaped)));
+    by_name.sort_by_key(|u| std::cmp::Reverse(u.own + u.reaped));
     let total = after.machine_total.saturating_sub(before.machine_total);
     let busy = after.machine_busy.saturating_sub(before.machine_busy);
     Profile {
