@@ -42,9 +42,9 @@ impl From<NftError> for RuleError {
 }
 
 thread_local! {
-    /// The nfnetlink socket of the namespace a [`Netns::run`] thread entered: the steps of one
-    /// pod operation (the previous backend's check, the read, the commit) share it. Closed
-    /// through the reaper when the thread exits.
+    /// The nfnetlink socket of the namespace a [`Netns::run`] thread or a detached worker
+    /// entered: the steps of one pod operation (the previous backend's check, the read, the
+    /// commit) share it. Closed through the reaper when the thread leaves the namespace.
     static ENTERED_SOCKET: std::cell::RefCell<Reaped> = const { std::cell::RefCell::new(Reaped(None)) };
 }
 
@@ -68,7 +68,16 @@ pub fn with_socket<T: Send>(
     if netns.entered_here() {
         let mut sock = match ENTERED_SOCKET.with_borrow_mut(|kept| kept.0.take()) {
             Some(sock) => sock,
-            None => NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER)?,
+            None => {
+                let sock = NetlinkSocket::open(netlink_sys::constants::NETLINK_NETFILTER)?;
+                // A worker's next job is another namespace's.
+                crate::netns::when_leaving(|| {
+                    if let Some(sock) = ENTERED_SOCKET.with_borrow_mut(|kept| kept.0.take()) {
+                        close_later(sock);
+                    }
+                });
+                sock
+            }
         };
         let res = f(&mut sock);
         if matches!(res, Err(NetlinkError::Io(_) | NetlinkError::Decode(_))) {

@@ -327,6 +327,38 @@ fn concurrent_applies_on_distinct_namespaces_do_not_cross_talk() {
     }
 }
 
+/// The agent's pod operations run on detached workers that are kept between jobs: each job's
+/// rules must land in its own namespace, not in one a previous job on the same thread entered.
+#[test]
+fn detached_jobs_in_turn_each_write_their_own_namespace() {
+    require_root!();
+    let namespaces: Vec<TestNetns> = (0..4).map(|_| TestNetns::new("nft-detached")).collect();
+    let cfg_of = |i: usize| InpodConfig {
+        redirect_dns: i.is_multiple_of(2),
+        ..InpodConfig::default()
+    };
+    for (i, ns) in namespaces.iter().enumerate() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cfg = cfg_of(i);
+        std::sync::Arc::new(ns.open())
+            .run_detached(
+                move |netns| NftablesBackend::new().apply(netns, &cfg),
+                move |r| tx.send(r.unwrap().unwrap()).unwrap(),
+            )
+            .unwrap();
+        rx.recv().unwrap();
+    }
+    let backend = NftablesBackend::new();
+    for (i, ns) in namespaces.iter().enumerate() {
+        assert_eq!(
+            backend.verify(&ns.open(), &cfg_of(i)).unwrap(),
+            RuleState::InSync,
+            "namespace {i}:\n{}",
+            ruleset(ns)
+        );
+    }
+}
+
 fn host_cfg(ipv6: bool) -> HostProbeConfig {
     HostProbeConfig {
         kubelet_uid: 1000,
