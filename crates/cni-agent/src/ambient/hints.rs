@@ -139,8 +139,20 @@ impl NetnsHints {
     /// Opens the hinted namespace (under `host_prefix`) if it is a network namespace that holds
     /// one of `ips`; `None` otherwise (no hint, gone, reused by another pod, or no IPs to check).
     pub fn open_verified(&self, uid: &str, ips: &[IpAddr], host_prefix: &Path) -> Option<Netns> {
-        if !valid_uid(uid) || ips.is_empty() {
-            tracing::debug!(uid, ?ips, "no netns hint check: invalid uid or no pod IPs");
+        if ips.is_empty() {
+            tracing::debug!(uid, "no netns hint check: no pod IPs");
+            return None;
+        }
+        let netns = self.open_unverified(uid, host_prefix)?;
+        verified(uid, HostNetns.owns(&netns, ips)).then_some(netns)
+    }
+
+    /// The hinted namespace, opened but not yet checked: the caller must check it holds one of
+    /// the pod's IPs ([`verified`]) before using it, as [`open_verified`](Self::open_verified)
+    /// does; for callers that run that check on threads of their own.
+    pub fn open_unverified(&self, uid: &str, host_prefix: &Path) -> Option<Netns> {
+        if !valid_uid(uid) {
+            tracing::debug!(uid, "no netns hint check: invalid uid");
             return None;
         }
         let path = std::fs::read_to_string(self.dir.join(uid)).ok()?;
@@ -151,23 +163,28 @@ impl NetnsHints {
         {
             return None;
         }
-        let netns = match HostNetns.open(&host_prefix.join(relative)) {
-            Ok(ns) => ns,
+        match HostNetns.open(&host_prefix.join(relative)) {
+            Ok(ns) => Some(ns),
             Err(e) => {
                 tracing::debug!(uid, path = %path.trim(), error = %e, "netns hint not usable");
-                return None;
-            }
-        };
-        match HostNetns.owns(&netns, ips) {
-            Ok(true) => Some(netns),
-            Ok(false) => {
-                tracing::warn!(uid, path = %path.trim(), "netns hint no longer holds the pod's IPs; ignoring it");
                 None
             }
-            Err(e) => {
-                tracing::warn!(uid, error = %e, "cannot check netns hint");
-                None
-            }
+        }
+    }
+}
+
+/// Whether a hinted namespace may be used, given the check that it holds one of the pod's IPs
+/// ([`NetnsOpener::owns`]); a failed or negative check is logged.
+pub fn verified(uid: &str, owns: Result<bool, String>) -> bool {
+    match owns {
+        Ok(true) => true,
+        Ok(false) => {
+            tracing::warn!(uid, "netns hint no longer holds the pod's IPs; ignoring it");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(uid, error = %e, "cannot check netns hint");
+            false
         }
     }
 }

@@ -36,7 +36,7 @@ use dataplane::netns::Netns;
 use super::cluster::Annotator;
 use crate::metrics::{BackendLabel, Metrics, observe};
 use crate::netns_cache::NetnsCache;
-use crate::procfs::{HostNetns, ProcScanner, WantedPod};
+use crate::procfs::{HostNetns, NetnsOpener, ProcScanner, WantedPod};
 use crate::zds::ZdsHandle;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -682,16 +682,19 @@ impl Mesh {
             use futures::StreamExt;
             let lookups: Vec<_> = wanted
                 .iter()
+                .filter(|(_, (_, w))| !w.ips.is_empty())
                 .map(|(uid, (_, w))| {
-                    let (hints, prefix) = (self.hints.clone(), self.host_prefix.clone());
                     let (uid, ips) = (uid.clone(), w.ips.clone());
                     async move {
-                        tokio::task::spawn_blocking(move || {
-                            hints.open_verified(&uid, &ips, &prefix).map(|ns| (uid, ns))
-                        })
-                        .await
-                        .ok()
-                        .flatten()
+                        // Reading the hint (tmpfs) and opening its path (nsfs) do not block;
+                        // the check inside the namespace goes to a pod namespace worker.
+                        let ns = self.hints.open_unverified(&uid, &self.host_prefix)?;
+                        let inside = Arc::new(ns.try_clone().ok()?);
+                        let owns =
+                            in_netns(&inside, move |inside| Ok(HostNetns.owns(inside, &ips)))
+                                .await
+                                .unwrap_or_else(|e| Err(e.to_string()));
+                        super::hints::verified(&uid, owns).then_some((uid, ns))
                     }
                 })
                 .collect();
@@ -826,10 +829,11 @@ fn check_and_repair(
     }
 }
 
-/// Runs `f` inside `netns` on a thread of its own (see [`Netns::run_detached`]); the pod's rule
-/// work neither blocks a runtime worker nor waits for a pooled thread behind other pods.
+/// Runs `f` inside `netns` on a pod namespace worker (see [`Netns::run_detached`]); the pod's
+/// rule work neither blocks a runtime worker nor waits for a blocking-pool thread behind other
+/// pods.
 ///
-/// At most one such thread per CPU at a time ([`netns_slots`]): the work is CPU-bound, and more
+/// At most one such job per CPU at a time ([`netns_slots`]): the work is CPU-bound, and more
 /// threads than cores would only contend for the CPUs and the allocator's locks (musl's is
 /// global), as the two pooled threads never did.
 pub async fn in_netns<T: Send + 'static>(
