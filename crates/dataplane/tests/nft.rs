@@ -343,10 +343,10 @@ fn detached_jobs_in_turn_each_write_their_own_namespace() {
         std::sync::Arc::new(ns.open())
             .run_detached(
                 move |netns| NftablesBackend::new().apply(netns, &cfg),
-                move |r| tx.send(r.unwrap().unwrap()).unwrap(),
+                move |r| tx.send(r.unwrap()).unwrap(),
             )
             .unwrap();
-        rx.recv().unwrap();
+        rx.recv().unwrap().unwrap();
     }
     let backend = NftablesBackend::new();
     for (i, ns) in namespaces.iter().enumerate() {
