@@ -6,7 +6,8 @@
 //! pod's redirection and ZDS hand-off happen inside its sandbox's CNI ADD, before that).
 //! With `ZTUNNEL_BIN` (a ztunnel built with its `testing` feature) the peer is the real ztunnel
 //! (`deploy/node/ztunnel.yaml`). Needs root; the node binaries and images are built on first use.
-//! Run: `cargo bench -p testbed --bench pod_start`. Prints one markdown table for BENCHMARKS.md.
+//! Run: `cargo bench -p testbed --bench pod_start`. Prints markdown tables for BENCHMARKS.md: the
+//! times, and the CPU each process of the node used in each phase (`testbed::cpu_profile`).
 //!
 //! `cargo bench -p testbed --bench pod_start -- --istiod`: the same on the node with Istio's own
 //! control plane (`scripts/real-node mesh install`: istiod from the pin, Istio's charts, our chart,
