@@ -152,19 +152,12 @@ async fn sandbox_failures(client: &kube::Client, namespace: &str) -> usize {
         .sum()
 }
 
-/// Deletes every pod of `api` and waits until their containers and shims are gone from the node
-/// too (the API forgets a pod deleted with no grace period before its sandbox is torn down), so
-/// the next phase neither shares the node with a teardown nor is charged for one. `shims`: how
-/// many shims the node runs without the bench's pods.
+/// Deletes every pod of `api` and waits until their sandboxes are gone from the node too (the
+/// API forgets a pod deleted with no grace period before its sandbox is torn down), so the next
+/// phase neither shares the node with a teardown nor is charged for one. `shims`: how many
+/// shims the node runs without the bench's pods; a pod's shim (one per sandbox) outlives its
+/// containers, so the count back at that number means every bench pod's processes have gone.
 async fn delete_all(node: &RealNode, api: &Api<Pod>, shims: usize) {
-    let uids: Vec<String> = api
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|p| p.metadata.uid)
-        .collect();
     let dp = DeleteParams {
         grace_period_seconds: Some(0),
         ..DeleteParams::default()
@@ -181,11 +174,8 @@ async fn delete_all(node: &RealNode, api: &Api<Pod>, shims: usize) {
             .then_some(())
     })
     .await;
-    node.eventually("pods' processes gone", Duration::from_secs(180), || async {
-        let left = uids
-            .iter()
-            .any(|uid| !node.pod_processes(&format!("pod{uid}/"), None).is_empty());
-        (!left && node.node_processes(SHIM).len() <= shims).then_some(())
+    node.eventually("pods' sandboxes gone", Duration::from_secs(180), || async {
+        (node.node_processes(SHIM).len() <= shims).then_some(())
     })
     .await;
 }
@@ -268,7 +258,7 @@ fn print_profiles(profiles: &[(&str, &str, Profile)]) {
     let mut names: Vec<&str> = Vec::new();
     for (_, _, p) in profiles {
         for u in &p.by_name {
-            if (u.own + u.reaped).as_millis() >= 50 && !names.contains(&u.comm.as_str()) {
+            if u.total().as_millis() >= 50 && !names.contains(&u.comm.as_str()) {
                 names.push(&u.comm);
             }
         }
@@ -295,11 +285,7 @@ fn print_profiles(profiles: &[(&str, &str, Profile)]) {
     let total: Vec<String> = profiles
         .iter()
         .map(|(_, _, p)| {
-            let ms: u128 = p
-                .by_name
-                .iter()
-                .map(|u| (u.own + u.reaped).as_millis())
-                .sum();
+            let ms: u128 = p.by_name.iter().map(|u| u.total().as_millis()).sum();
             format!("{ms}")
         })
         .collect();

@@ -5,7 +5,7 @@
 //! because that is where short-lived processes end up: containerd's CNI plugin execs, the shims'
 //! `runc` calls.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 /// One process at one moment.
@@ -89,18 +89,19 @@ pub fn snapshot(member: u32) -> Snapshot {
 fn within(mut all: HashMap<u32, Sample>, pidns: &str) -> HashMap<u32, Sample> {
     let under = |mut pid: u32, all: &HashMap<u32, Sample>| {
         // Bounded: a parent chain cannot be longer than the process table.
-        for _ in 0..all.len() + 1 {
-            if all.get(&pid).is_some_and(|s| s.pidns == pidns) {
+        for _ in 0..=all.len() {
+            let Some(s) = all.get(&pid) else { return false };
+            if s.pidns == pidns {
                 return true;
             }
-            match all.get(&pid) {
-                Some(s) if s.ppid != 0 && s.ppid != pid => pid = s.ppid,
-                _ => return false,
+            if s.ppid == 0 || s.ppid == pid {
+                return false;
             }
+            pid = s.ppid;
         }
         false
     };
-    let keep: Vec<u32> = all.keys().copied().filter(|p| under(*p, &all)).collect();
+    let keep: HashSet<u32> = all.keys().copied().filter(|p| under(*p, &all)).collect();
     all.retain(|pid, _| keep.contains(pid));
     all
 }
@@ -126,6 +127,12 @@ pub struct Usage {
     pub own: Duration,
     /// Of the children these processes waited for (execs that came and went).
     pub reaped: Duration,
+}
+
+impl Usage {
+    pub fn total(&self) -> Duration {
+        self.own + self.reaped
+    }
 }
 
 /// What the node used between `before` and `after`, by process name, largest first.
@@ -167,7 +174,7 @@ pub fn between(before: &Snapshot, after: &Snapshot) -> Profile {
             reaped: tick * reaped as u32,
         })
         .collect();
-    by_name.sort_by_key(|u| std::cmp::Reverse(u.own + u.reaped));
+    by_name.sort_by_key(|u| std::cmp::Reverse(u.total()));
     let total = after.machine_total.saturating_sub(before.machine_total);
     let busy = after.machine_busy.saturating_sub(before.machine_busy);
     Profile {

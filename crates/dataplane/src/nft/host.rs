@@ -399,6 +399,7 @@ mod tests {
 
     #[test]
     fn set_elements_decode_as_the_netlink_crate_encodes_them() {
+        use super::super::wire::{SetElement, decode_set_elements};
         use netlink_packet_core::NetlinkSerializable;
         use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
         let mut udata = Vec::new();
@@ -418,22 +419,22 @@ mod tests {
         );
         let mut payload = vec![0; msg.buffer_len()];
         msg.serialize(&mut payload);
-        let elements = super::super::wire::decode_set_elements(&payload).unwrap();
+        let elements = decode_set_elements(&payload).unwrap();
         assert_eq!(
             elements,
             [
-                super::super::wire::SetElement {
+                SetElement {
                     key: ip_bytes(v4),
                     user_data: Some(udata),
                 },
-                super::super::wire::SetElement {
+                SetElement {
                     key: ip_bytes(v6),
                     user_data: None,
                 },
             ]
         );
         // A length running past the end is an error naming the message, not a panic.
-        let err = super::super::wire::decode_set_elements(&payload[..payload.len() - 3]);
+        let err = decode_set_elements(&payload[..payload.len() - 3]);
         assert!(
             err.unwrap_err()
                 .to_string()
