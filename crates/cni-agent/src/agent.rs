@@ -21,6 +21,7 @@ use crate::ambient::explain::Explainer;
 use crate::ambient::mesh::Mesh;
 use crate::ambient::node::{NodeDataplane, seams};
 use crate::ambient::reconciler::{Policy, Reconciler};
+use crate::handover::{AgentLock, SocketFile, Taken, Waiting};
 use crate::http::{Readiness, health_router, metrics_router};
 use crate::install::Installer;
 use crate::install::config::InstallConfig;
@@ -43,15 +44,17 @@ fn serve_unix(
     uids: Vec<u32>,
     router: axum::Router,
     what: &'static str,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<SocketFile> {
     let listener = PeerCheckedListener::bind(path, uids)
         .with_context(|| format!("{what} socket {}", path.display()))?;
+    let file =
+        SocketFile::bound(path).with_context(|| format!("{what} socket {}", path.display()))?;
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router).await {
             tracing::error!(error = %e, "{what} server stopped");
         }
     });
-    Ok(())
+    Ok(file)
 }
 
 /// Everything ambient mode needs besides the installer.
@@ -119,13 +122,27 @@ pub async fn run(
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    serve_unix(
+    let mut sockets = vec![serve_unix(
         &run_dir.join(cni_core::cmdadd::LOG_SOCKET),
         ports.peer_uids.clone(),
         crate::logsock::router(),
         "plugin log",
-    )?;
-    let node = match ambient {
+    )?];
+    let previous = match AgentLock::take(&run_dir) {
+        Ok(Taken::Free(lock)) => {
+            lock.hold_until_exit();
+            None
+        }
+        Ok(Taken::Held(waiting)) => {
+            tracing::info!("the previous agent is still running; taking over alongside it");
+            Some(waiting)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no agent lock: a previous agent's last pods are checked only by drift checks");
+            None
+        }
+    };
+    let mut node = match ambient {
         Some(setup) => Some(
             start_ambient(
                 setup,
@@ -133,6 +150,7 @@ pub async fn run(
                 &ports.peer_uids,
                 &metrics,
                 &readiness,
+                previous,
                 stopped(stop_rx.clone()),
             )
             .await?,
@@ -168,12 +186,11 @@ pub async fn run(
         };
     let _ = stop_tx.send(true);
     // A missing socket makes the plugin fail ambient pods at once (fail closed) instead of waiting.
-    for socket in [
-        cni_core::cmdadd::EVENT_SOCKET,
-        cni_core::cmdadd::LOG_SOCKET,
-        DEBUG_SOCKET,
-    ] {
-        let _ = std::fs::remove_file(run_dir.join(socket));
+    if let Some(n) = &mut node {
+        sockets.append(&mut n.sockets);
+    }
+    for socket in &sockets {
+        socket.remove();
     }
     if full_cleanup {
         tracing::info!("uninstalling: removing the plugin, its config and host rules");
@@ -259,6 +276,8 @@ struct AmbientNode {
     owned_config: bool,
     disable_safe_upgrade: bool,
     daemonset: crate::ambient::upgrade::DaemonSetView,
+    /// The plugin event and debug sockets.
+    sockets: Vec<SocketFile>,
 }
 
 impl AmbientNode {
@@ -284,6 +303,7 @@ async fn start_ambient(
     peer_uids: &[u32],
     metrics: &Metrics,
     readiness: &Arc<Readiness>,
+    previous: Option<Waiting>,
     stopped: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<AmbientNode> {
     let cfg = setup.cfg;
@@ -382,6 +402,9 @@ async fn start_ambient(
         exclude_namespaces: cfg.exclude_namespaces.clone(),
         system_namespace: cfg.system_namespace.clone(),
     });
+    if let Some(waiting) = previous {
+        tokio::spawn(await_previous_agent(waiting, tx.clone()));
+    }
     let (restored_tx, restored_rx) = oneshot::channel();
     let reconciler = Reconciler {
         cache: cluster.clone(),
@@ -397,7 +420,7 @@ async fn start_ambient(
         policy: policy.clone(),
         annotator,
     });
-    serve_unix(
+    let event_socket = serve_unix(
         &run_dir.join(cni_core::cmdadd::EVENT_SOCKET),
         peer_uids.to_vec(),
         crate::ambient::cni_server::router(server),
@@ -409,7 +432,7 @@ async fn start_ambient(
         policy,
         zds: zds.clone(),
     });
-    serve_unix(
+    let debug_socket = serve_unix(
         &run_dir.join(DEBUG_SOCKET),
         peer_uids.to_vec(),
         crate::ambient::explain::router(explainer),
@@ -442,5 +465,28 @@ async fn start_ambient(
         node_name: cfg.node_name,
         owned_config: setup.owned_config,
         disable_safe_upgrade: cfg.disable_safe_upgrade,
+        sockets: vec![event_socket, debug_socket],
     })
+}
+
+/// Waits for the previous agent to exit, then has the reconciler check the enrolled pods once
+/// more: until it exited it could still be enrolling a pod with its own backend (an ADD it took
+/// before this agent bound the socket), after this agent's restore or adoption had checked it.
+async fn await_previous_agent(
+    waiting: Waiting,
+    events: mpsc::UnboundedSender<crate::ambient::cluster::ClusterEvent>,
+) {
+    // A thread of its own, not the blocking pool: the runtime waits for the pool's tasks when it
+    // shuts down, and this one ends only when the previous agent does.
+    let (tx, rx) = oneshot::channel();
+    std::thread::spawn(move || tx.send(waiting.wait()));
+    match rx.await {
+        Ok(Ok(lock)) => {
+            tracing::info!("the previous agent exited");
+            lock.hold_until_exit();
+            let _ = events.send(crate::ambient::cluster::ClusterEvent::PreviousAgentExited);
+        }
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot wait for the previous agent"),
+        Err(_) => {}
+    }
 }

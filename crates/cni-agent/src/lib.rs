@@ -5,6 +5,7 @@ pub mod ambient;
 pub mod cli;
 pub mod config;
 pub mod dataplane_cli;
+pub mod handover;
 pub mod hostfs;
 pub mod http;
 pub mod install;

@@ -99,6 +99,8 @@ pub enum ClusterEvent {
     },
     /// Both watches finished their initial list.
     Synced,
+    /// The agent this one replaced has exited (`crate::handover`).
+    PreviousAgentExited,
 }
 
 /// What a cached pod keeps. Hundreds of pods per node are kept for the agent's life, and of most

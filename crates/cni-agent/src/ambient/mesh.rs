@@ -733,19 +733,25 @@ impl Mesh {
                 restored.push(pod.clone());
             }
         }
-        // A pod still redirected by the backend used before a switch is repaired either way:
-        // left alone it would keep redirecting after it leaves the mesh.
-        let repaired = if reconcile {
-            self.repair_drift(&restored).await
-        } else {
-            self.repair_where(&restored, true).await
-        };
+        let repaired = self.check_restored(&restored, reconcile).await;
         tracing::info!(
             checked = restored.len(),
             repaired,
             took = ?started.elapsed(),
             "enrolled pods' rules checked"
         );
+    }
+
+    /// The check of pods another agent enrolled: with `reconcile` their rules are verified and
+    /// repaired where they drifted; either way a pod still redirected by the backend used before a
+    /// switch is repaired (left alone it would keep redirecting after it leaves the mesh). Returns
+    /// how many pods were repaired.
+    pub async fn check_restored(&self, pods: &[Arc<Pod>], reconcile: bool) -> usize {
+        if reconcile {
+            self.repair_drift(pods).await
+        } else {
+            self.repair_where(pods, true).await
+        }
     }
 
     /// Verifies the rules of every enrolled pod the agent holds a namespace for and re-applies

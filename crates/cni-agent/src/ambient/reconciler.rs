@@ -49,8 +49,6 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 impl Reconciler {
     /// Consumes events until the channel closes. `tx` is the same channel's sender, used to
-    /// requeue failed events after their backoff.
-    /// Consumes events until the channel closes. `tx` is the same channel's sender, used to
     /// requeue failed events after their backoff. Once the watches have synced, the pods enrolled
     /// before this agent started are restored and `restored` fires (the ZDS server waits for it,
     /// so the first ztunnel gets a complete snapshot).
@@ -74,18 +72,8 @@ impl Reconciler {
                     // Pods deleted while no agent ran were never seen going.
                     let uids = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
                     self.mesh.hints.retain(&uids);
-                    let enrolled: Vec<Arc<Pod>> = pods
-                        .iter()
-                        .filter(|p| {
-                            let f = facts(p);
-                            !self.policy.is_ztunnel(p)
-                                && !f.terminal
-                                && f.redirection() == cni_core::reconcile::Redirection::Enabled
-                        })
-                        .cloned()
-                        .collect();
                     self.mesh
-                        .restore(&enrolled, self.reconcile_on_startup)
+                        .restore(&self.enrolled(&pods), self.reconcile_on_startup)
                         .await;
                     if let Some(r) = restored.take() {
                         let _ = r.send(());
@@ -153,6 +141,22 @@ impl Reconciler {
     ) -> Result<bool, super::mesh::MeshError> {
         match event {
             ClusterEvent::Synced => Ok(false),
+            ClusterEvent::PreviousAgentExited => {
+                // Before the restore this event is dropped: the restore comes after the exit.
+                let pods: Vec<Arc<Pod>> =
+                    self.cache.read().unwrap().pods.values().cloned().collect();
+                let enrolled = self.enrolled(&pods);
+                let repaired = self
+                    .mesh
+                    .check_restored(&enrolled, self.reconcile_on_startup)
+                    .await;
+                tracing::info!(
+                    checked = enrolled.len(),
+                    repaired,
+                    "enrolled pods' rules checked after the previous agent's exit"
+                );
+                Ok(false)
+            }
             ClusterEvent::Namespace { name, old, new } => {
                 self.count(if old.is_some() { "update" } else { "add" });
                 let Some(old) = old else { return Ok(false) };
@@ -295,6 +299,19 @@ impl Reconciler {
         // go: under the lock, an uncached pod is not one of ours.
         let _pod = self.mesh.locks.lock(uid).await;
         self.mesh.cache.get(uid).is_none()
+    }
+
+    /// The pods this agent's restore and handover take over: enrolled, running, not ztunnel.
+    fn enrolled(&self, pods: &[Arc<Pod>]) -> Vec<Arc<Pod>> {
+        pods.iter()
+            .filter(|p| {
+                let f = facts(p);
+                !self.policy.is_ztunnel(p)
+                    && !f.terminal
+                    && f.redirection() == cni_core::reconcile::Redirection::Enabled
+            })
+            .cloned()
+            .collect()
     }
 
     fn scope<'a>(&'a self, namespace: &str, labels: &'a cni_core::enroll::Labels) -> Scope<'a> {

@@ -12,6 +12,7 @@ use tokio::task::JoinSet;
 use tokio_seqpacket::{UnixSeqpacket, UnixSeqpacketListener};
 
 use super::{ConnSlot, Shared, ZdsConfig, ZdsError, ZdsHandle, ZdsMetrics, conn};
+use crate::handover::SocketFile;
 use crate::netns_cache::NetnsCache;
 
 pub struct ZdsServer {
@@ -21,6 +22,7 @@ pub struct ZdsServer {
     dir_owner: Option<u32>,
     cache: Arc<NetnsCache>,
     shared: Arc<Shared>,
+    socket: SocketFile,
 }
 
 fn socket_err(path: &Path, source: std::io::Error) -> ZdsError {
@@ -95,6 +97,8 @@ impl ZdsServer {
         let dir_owner = prepare_path(&cfg.socket_path)?;
         let listener = UnixSeqpacketListener::bind(&cfg.socket_path)
             .map_err(|e| socket_err(&cfg.socket_path, e))?;
+        let socket =
+            SocketFile::bound(&cfg.socket_path).map_err(|e| socket_err(&cfg.socket_path, e))?;
         // Connecting needs write access to the socket file; the 0750 directory decides who can
         // reach it, and the peer check who may stay.
         fs::set_permissions(&cfg.socket_path, Permissions::from_mode(0o666))
@@ -116,13 +120,15 @@ impl ZdsServer {
                 dir_owner,
                 cache,
                 shared,
+                socket,
             },
             handle,
         ))
     }
 
     /// Accepts ztunnels until `shutdown` completes, then closes every connection and unlinks the
-    /// socket (ztunnel keeps retrying until a new agent binds it again).
+    /// socket unless the next agent already bound its own (ztunnel keeps retrying until one
+    /// does).
     pub async fn serve(mut self, shutdown: impl Future<Output = ()>) {
         self.shared.serving.store(true, Ordering::Release);
         tracing::info!(path = %self.cfg.socket_path.display(), "ZDS server accepting ztunnel connections");
@@ -146,7 +152,7 @@ impl ZdsServer {
         }
         self.shared.serving.store(false, Ordering::Release);
         conns.shutdown().await;
-        let _ = fs::remove_file(&self.cfg.socket_path);
+        self.socket.remove();
     }
 
     /// Checks the peer's credentials and registers the connection. It is registered before its
