@@ -76,7 +76,7 @@ async fn serve_http(
     router: axum::Router,
     what: &'static str,
 ) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr)
+    let listener = bind_tcp(addr, PORT_HANDOVER)
         .await
         .with_context(|| format!("{what} on {addr}"))?;
     tokio::spawn(async move {
@@ -85,6 +85,36 @@ async fn serve_http(
         }
     });
     Ok(())
+}
+
+/// How long a port held by another process is waited for.
+const PORT_HANDOVER: Duration = Duration::from_secs(30);
+
+/// Binds `addr`, waiting up to `patience` while it is in use: on the host network the previous
+/// agent, started before this one was created, may still be stopping and holding it. Failing at
+/// once would put this agent into the kubelet's crash-loop backoff (10 s and more) after it had
+/// already taken over the sockets.
+async fn bind_tcp(
+    addr: SocketAddr,
+    patience: Duration,
+) -> std::io::Result<tokio::net::TcpListener> {
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut logged = false;
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                if !logged {
+                    tracing::info!(%addr, "port in use (the previous agent still stopping?); waiting");
+                    logged = true;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            result => return result,
+        }
+    }
 }
 
 /// Runs until `shutdown` completes, then cleans up as an upgrade or an uninstall requires.
@@ -488,5 +518,33 @@ async fn await_previous_agent(
         }
         Ok(Err(e)) => tracing::warn!(error = %e, "cannot wait for the previous agent"),
         Err(_) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_port_is_taken_over_once_its_holder_lets_go() {
+        let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = holder.local_addr().unwrap();
+        let released = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            drop(holder);
+        });
+        let listener = bind_tcp(addr, Duration::from_secs(10)).await.unwrap();
+        assert_eq!(listener.local_addr().unwrap(), addr);
+        released.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_port_held_past_the_patience_is_an_error() {
+        let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = holder.local_addr().unwrap();
+        let err = bind_tcp(addr, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
     }
 }
