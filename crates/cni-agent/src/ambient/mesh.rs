@@ -556,6 +556,11 @@ impl Mesh {
         .map_err(|e| e.to_string())?
     }
 
+    /// Whether this agent holds pod `uid`'s namespace (a pod the restore only kept has none).
+    pub fn holds_netns(&self, uid: &str) -> bool {
+        self.cache.get(uid).is_some_and(|e| e.netns.is_some())
+    }
+
     /// Removes a pod from the mesh. `is_delete`: the pod object is gone (no rule removal, and
     /// annotation errors are not reported).
     pub async fn remove(

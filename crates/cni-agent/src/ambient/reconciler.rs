@@ -234,7 +234,7 @@ impl Reconciler {
                 let old = old.clone().unwrap_or_else(|| current.clone());
                 let (old_f, cur_f) = (facts(&old), facts(&current));
                 let scope = self.scope(&key.0, &labels);
-                let mut enrolled = false;
+                let (mut enrolled, mut tried) = (false, false);
                 for action in on_update(&old_f, &cur_f, &scope) {
                     match action {
                         Action::RemoveTerminated => {
@@ -255,15 +255,16 @@ impl Reconciler {
                         }
                         Action::Remove => self.mesh.remove(&current, &cur_f.ips, false).await?,
                         Action::Add => match self.mesh.add(&current, &cur_f.ips, None).await {
-                            Ok(()) => enrolled = true,
+                            Ok(()) => (enrolled, tried) = (true, true),
                             Err(e) if !e.retryable() => {
+                                tried = true;
                                 tracing::error!(pod = ?key, error = %e, "cannot enroll pod; not retrying");
                             }
                             Err(e) => return Err(e),
                         },
                     }
                 }
-                if !enrolled && self.enrolled_elsewhere(&current, &cur_f, &scope).await {
+                if !tried && self.enrolled_elsewhere(&current, &cur_f, &scope).await {
                     tracing::info!(pod = ?key, "adopting a pod the previous agent enrolled");
                     self.mesh.add(&current, &cur_f.ips, None).await?;
                     enrolled = true;
@@ -273,10 +274,13 @@ impl Reconciler {
         }
     }
 
-    /// A pod another agent enrolled after this one's startup restore (the previous agent's last
-    /// ADDs during a handover): annotated `enabled` and selected, but neither its ADD nor the
-    /// restore told this agent about it. Without adoption its rules would never be checked or
-    /// moved to this agent's backend, and ztunnel's snapshots from here would leave it out.
+    /// A pod another agent enrolled that this one does not hold a namespace for (the previous
+    /// agent's last ADDs during a handover): annotated `enabled` and selected, but neither its ADD
+    /// nor the restore gave this agent its namespace. Either the pod was enrolled after the
+    /// restore, or the restore could not look for it: its IP was not in the API yet (the previous
+    /// agent had just answered its ADD), and so it was only kept. Without adoption its rules
+    /// would never be checked or moved to this agent's backend, and ztunnel would keep only what
+    /// the previous agent gave it.
     async fn enrolled_elsewhere(
         &self,
         pod: &Pod,
@@ -290,15 +294,15 @@ impl Reconciler {
             || f.ips.is_empty()
             || f.redirection() != cni_core::reconcile::Redirection::Enabled
             || !cni_core::reconcile::eligibility(&f.view, scope).is_selected()
-            || self.mesh.cache.get(uid).is_some()
+            || self.mesh.holds_netns(uid)
             || self.mesh.finished.contains(uid)
         {
             return false;
         }
-        // Our own ADD annotates while it holds the pod's lock, and caches the pod before letting
-        // go: under the lock, an uncached pod is not one of ours.
+        // Our own ADD annotates while it holds the pod's lock, and caches the pod with its
+        // namespace before letting go: under the lock, a pod without one is not one of ours.
         let _pod = self.mesh.locks.lock(uid).await;
-        self.mesh.cache.get(uid).is_none()
+        !self.mesh.holds_netns(uid)
     }
 
     /// The pods this agent's restore and handover take over: enrolled, running, not ztunnel.
