@@ -251,6 +251,64 @@ async fn agent_crash_and_restart_keeps_pods_redirected() {
     assert!(ok && text.contains("meshed:      yes"), "{text}");
 }
 
+/// A handover's last pod: the previous agent (nftables) answered its ADD, but the kubelet had not
+/// posted its IP yet when the next agent (iptables) restored, so the restore could not look for
+/// its namespace and only kept it for ztunnel. Once its IP shows, the agent adopts it: the pod is
+/// redirected by iptables alone and ztunnel gets it with its namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_restored_without_its_ip_is_adopted_once_the_ip_shows() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Nftables).await;
+    let peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let mut pod = node.create_pod_object("mesh", "last", &[]).await;
+    let prev = node.sandbox_add_primary(&pod).await.unwrap();
+    let result = node
+        .sandbox_add_ours(&pod, prev)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    assert_pod_redirected_by(&pod, Backend::Nftables);
+    let connects = peer.status().connects;
+
+    node.switch_backend(Backend::Iptables).await;
+    let st = peer
+        .wait_for(
+            "the restarted agent's snapshot",
+            Duration::from_secs(15),
+            |s| s.connects > connects && s.snapshot_received,
+        )
+        .await
+        .unwrap();
+    let log_len = st.log.len();
+    assert!(
+        st.log
+            .iter()
+            .rev()
+            .any(|e| e == &format!("keep {}", pod.uid)),
+        "kept without a namespace at the restore: {:?}",
+        st.log
+    );
+    assert_pod_redirected_by(&pod, Backend::Nftables);
+
+    node.report_running(&mut pod, &result).await;
+    peer.wait_for(
+        "the pod handed over with its namespace",
+        Duration::from_secs(15),
+        |s| {
+            s.log[log_len.min(s.log.len())..]
+                .iter()
+                .any(|e| e == &format!("add {}", pod.uid))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:?}\n{}", node.agent_log()));
+    assert_eq!(
+        peer.status().workloads[&pod.uid].netns(),
+        pod.netns.open().id()
+    );
+    eventually_redirected_by(&pod, Backend::Iptables).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_ztunnel_gets_the_snapshot() {
     dataplane::require_root!();
@@ -591,22 +649,41 @@ fn assert_pod_clean(pod: &testbed::node::TestPod) {
     );
 }
 
-/// Only nftables (`nft`) or only iptables (`ipt`) redirects the pod.
-fn assert_pod_redirected_by(pod: &testbed::node::TestPod, backend: Backend) {
+/// Whether iptables and our nftables table redirect the pod, with both listings.
+fn pod_backends(pod: &testbed::node::TestPod) -> ((bool, bool), String) {
     let (ipt, nft) = (
         iptables_rules(&pod.netns),
         pod.netns.exec("nft", &["list", "ruleset"]),
     );
-    let (has_ipt, has_nft) = (
+    let found = (
         ipt.contains("ISTIO_OUTPUT"),
         nft.contains("istio-ambient-nat"),
     );
+    (found, format!("{ipt}\n{nft}"))
+}
+
+fn only(backend: Backend) -> (bool, bool) {
+    (backend == Backend::Iptables, backend == Backend::Nftables)
+}
+
+/// Only nftables (`nft`) or only iptables (`ipt`) redirects the pod.
+fn assert_pod_redirected_by(pod: &testbed::node::TestPod, backend: Backend) {
+    let (found, listings) = pod_backends(pod);
     assert_eq!(
-        (has_ipt, has_nft),
-        (backend == Backend::Iptables, backend == Backend::Nftables),
-        "{} should be redirected by {backend:?} only:\n{ipt}\n{nft}",
+        found,
+        only(backend),
+        "{} should be redirected by {backend:?} only:\n{listings}",
         pod.name
     );
+}
+
+/// [`assert_pod_redirected_by`] once the agent got there (within 10 s).
+async fn eventually_redirected_by(pod: &testbed::node::TestPod, backend: Backend) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while pod_backends(pod).0 != only(backend) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_pod_redirected_by(pod, backend);
 }
 
 fn assert_host_is(node: &TestNode, backend: Backend) {
