@@ -556,9 +556,11 @@ impl Mesh {
         .map_err(|e| e.to_string())?
     }
 
-    /// Whether this agent holds pod `uid`'s namespace (a pod the restore only kept has none).
-    pub fn holds_netns(&self, uid: &str) -> bool {
-        self.cache.get(uid).is_some_and(|e| e.netns.is_some())
+    /// Keeps `pod` for ztunnel without a namespace, as the restore does.
+    pub fn keep(&self, pod: &Pod) {
+        if let Some(uid) = pod.metadata.uid.as_deref() {
+            self.cache.ensure_with(uid, workload_info(pod));
+        }
     }
 
     /// Removes a pod from the mesh. `is_delete`: the pod object is gone (no rule removal, and

@@ -264,9 +264,23 @@ impl Reconciler {
                         },
                     }
                 }
-                if !tried && self.enrolled_elsewhere(&current, &cur_f, &scope).await {
+                let ip_appeared = old_f.ips.is_empty() && !cur_f.ips.is_empty();
+                if !tried
+                    && self
+                        .enrolled_elsewhere(&current, &cur_f, ip_appeared, &scope)
+                        .await
+                {
                     tracing::info!(pod = ?key, "adopting a pod the previous agent enrolled");
-                    self.mesh.add(&current, &cur_f.ips, None).await?;
+                    let uid = current.metadata.uid.as_deref().unwrap_or_default();
+                    let kept = self.mesh.cache.get(uid).is_some();
+                    if let Err(e) = self.mesh.add(&current, &cur_f.ips, None).await {
+                        // A failed add forgets the pod; one the restore kept stays kept for
+                        // ztunnel until the retry.
+                        if kept {
+                            self.mesh.keep(&current);
+                        }
+                        return Err(e);
+                    }
                     enrolled = true;
                 }
                 Ok(enrolled)
@@ -278,13 +292,16 @@ impl Reconciler {
     /// agent's last ADDs during a handover): annotated `enabled` and selected, but neither its ADD
     /// nor the restore gave this agent its namespace. Either the pod was enrolled after the
     /// restore, or the restore could not look for it: its IP was not in the API yet (the previous
-    /// agent had just answered its ADD), and so it was only kept. Without adoption its rules
-    /// would never be checked or moved to this agent's backend, and ztunnel would keep only what
-    /// the previous agent gave it.
+    /// agent had just answered its ADD), so it was only kept, and `ip_appeared` is this event's
+    /// news that it now can be. (A pod kept because its namespace is gone, after a reboot, keeps
+    /// its IP until the runtime's ADD brings the new one.) Without adoption its rules would never
+    /// be checked or moved to this agent's backend, and ztunnel would keep only what the previous
+    /// agent gave it.
     async fn enrolled_elsewhere(
         &self,
         pod: &Pod,
         f: &cni_core::reconcile::PodFacts,
+        ip_appeared: bool,
         scope: &Scope<'_>,
     ) -> bool {
         let Some(uid) = pod.metadata.uid.as_deref() else {
@@ -294,7 +311,7 @@ impl Reconciler {
             || f.ips.is_empty()
             || f.redirection() != cni_core::reconcile::Redirection::Enabled
             || !cni_core::reconcile::eligibility(&f.view, scope).is_selected()
-            || self.mesh.holds_netns(uid)
+            || !self.adoptable(uid, ip_appeared)
             || self.mesh.finished.contains(uid)
         {
             return false;
@@ -302,7 +319,14 @@ impl Reconciler {
         // Our own ADD annotates while it holds the pod's lock, and caches the pod with its
         // namespace before letting go: under the lock, a pod without one is not one of ours.
         let _pod = self.mesh.locks.lock(uid).await;
-        !self.mesh.holds_netns(uid)
+        self.adoptable(uid, ip_appeared)
+    }
+
+    fn adoptable(&self, uid: &str, ip_appeared: bool) -> bool {
+        match self.mesh.cache.get(uid) {
+            None => true,
+            Some(entry) => entry.netns.is_none() && ip_appeared,
+        }
     }
 
     /// The pods this agent's restore and handover take over: enrolled, running, not ztunnel.
