@@ -176,15 +176,21 @@ mod tests {
         assert!(!path.exists());
     }
 
+    /// A running agent's lock, and the next agent's wait for it.
+    fn previous_and_next(run_dir: &Path) -> (AgentLock, Waiting) {
+        let Taken::Free(previous) = AgentLock::take(run_dir).unwrap() else {
+            panic!("a lock nobody holds was taken");
+        };
+        let Taken::Held(waiting) = AgentLock::take(run_dir).unwrap() else {
+            panic!("a held lock was free");
+        };
+        (previous, waiting)
+    }
+
     #[test]
     fn the_next_agent_waits_for_the_previous_one_to_exit() {
         let dir = tempfile::tempdir().unwrap();
-        let Taken::Free(previous) = AgentLock::take(dir.path()).unwrap() else {
-            panic!("a lock nobody holds was taken");
-        };
-        let Taken::Held(waiting) = AgentLock::take(dir.path()).unwrap() else {
-            panic!("a held lock was free");
-        };
+        let (previous, waiting) = previous_and_next(dir.path());
         let (tx, rx) = std::sync::mpsc::channel();
         let next = std::thread::spawn(move || {
             let lock = waiting.wait().unwrap();
@@ -209,12 +215,7 @@ mod tests {
     #[test]
     fn a_lock_file_removed_on_the_way_out_is_taken_again_at_the_path() {
         let dir = tempfile::tempdir().unwrap();
-        let Taken::Free(previous) = AgentLock::take(dir.path()).unwrap() else {
-            panic!("a lock nobody holds was taken");
-        };
-        let Taken::Held(waiting) = AgentLock::take(dir.path()).unwrap() else {
-            panic!("a held lock was free");
-        };
+        let (previous, waiting) = previous_and_next(dir.path());
         let next = std::thread::spawn(move || waiting.wait().unwrap());
         previous.remove_file();
         drop(previous);
