@@ -26,6 +26,9 @@ use testbed::zds_peer::{PeerConfig, ZdsPeer};
 /// How long a restarted agent gets to hand every pod over again.
 const RESTART_WAIT: Duration = Duration::from_secs(30);
 
+/// Agent restarts per run; the figure is their median.
+const RESTARTS: usize = 5;
+
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
@@ -221,47 +224,59 @@ async fn run(agent: Agent) -> Figures {
     let metrics = node.metrics();
 
     // Restart: kill -9, start, until the peer holds every pod again, each handed over with its
-    // namespace (an Add) in the new connection's snapshot.
-    let before = peer.status();
-    let (connects, log_len) = (before.connects, before.log.len());
-    node.kill_agent();
-    let started = Instant::now();
-    node.start_agent();
+    // namespace (an Add) in the new connection's snapshot. Several times, the median reported:
+    // one restart is a third of a second, within reach of a single busy moment of the machine.
     let n = pods.len();
-    let adds = |s: &testbed::zds_peer::PeerStatus| {
-        s.log[log_len.min(s.log.len())..]
-            .iter()
-            .filter(|e| e.starts_with("add "))
-            .count()
-    };
-    let restarted = peer
-        .wait_for("all pods re-handed", RESTART_WAIT, |s| {
-            s.connects > connects && s.snapshot_received && s.workloads.len() == n && adds(s) == n
-        })
-        .await;
-    let restart = match restarted {
-        Ok(_) => Figure::Value(ms(started.elapsed())),
-        Err(_) => {
-            let s = peer.status();
-            let keeps = s.log[log_len.min(s.log.len())..]
+    let mut restarts = Vec::new();
+    let mut restart = None;
+    let mut last_start = std::time::SystemTime::now();
+    for _ in 0..RESTARTS {
+        let before = peer.status();
+        let (connects, log_len) = (before.connects, before.log.len());
+        node.kill_agent();
+        let started = Instant::now();
+        last_start = std::time::SystemTime::now();
+        node.start_agent();
+        let adds = |s: &testbed::zds_peer::PeerStatus| {
+            s.log[log_len.min(s.log.len())..]
                 .iter()
-                .filter(|e| e.starts_with("keep "))
-                .count();
-            Figure::NotApplicable(format!(
-                "after {}s the new connection's snapshot had handed {} of {n} pods over with \
-                 their namespace ({keeps} kept without one){}",
-                RESTART_WAIT.as_secs(),
-                adds(&s),
-                if istio {
-                    ": Istio finds a running pod's namespace only through a process in the \
-                     pod's cgroup (`/host/proc/*/cgroup` naming the pod UID); the emulated \
-                     pods are namespaces without processes"
-                } else {
-                    ""
-                }
-            ))
+                .filter(|e| e.starts_with("add "))
+                .count()
+        };
+        let restarted = peer
+            .wait_for("all pods re-handed", RESTART_WAIT, |s| {
+                s.connects > connects
+                    && s.snapshot_received
+                    && s.workloads.len() == n
+                    && adds(s) == n
+            })
+            .await;
+        if restarted.is_ok() {
+            restarts.push(ms(started.elapsed()));
+            continue;
         }
-    };
+        let s = peer.status();
+        let keeps = s.log[log_len.min(s.log.len())..]
+            .iter()
+            .filter(|e| e.starts_with("keep "))
+            .count();
+        restart = Some(Figure::NotApplicable(format!(
+            "after {}s the new connection's snapshot had handed {} of {n} pods over with \
+             their namespace ({keeps} kept without one){}",
+            RESTART_WAIT.as_secs(),
+            adds(&s),
+            if istio {
+                ": Istio finds a running pod's namespace only through a process in the \
+                 pod's cgroup (`/host/proc/*/cgroup` naming the pod UID); the emulated \
+                 pods are namespaces without processes"
+            } else {
+                ""
+            }
+        )));
+        break;
+    }
+    eprintln!("bench: restarts (ms): {restarts:.1?}");
+    let restart = restart.unwrap_or_else(|| Figure::Value(median(&mut restarts)));
     // Where the time went, from the agent's own log (stderr, not the table): a few ADDs with
     // their stages, and the restarted agent's steps.
     if !istio {
@@ -275,19 +290,21 @@ async fn run(agent: Agent) -> Figures {
         }
         let steps = [
             "host probe rules in place",
+            "watches synced",
             "restored enrolled pods",
+            "enrolled pods' rules checked",
             "CNI ambient server marking ready",
         ];
         let restart_lines: Vec<&str> = log
             .lines()
             .filter(|l| steps.iter().any(|s| l.contains(s)))
             .collect();
-        for line in &restart_lines[restart_lines.len().saturating_sub(3)..] {
+        for line in &restart_lines[restart_lines.len().saturating_sub(steps.len())..] {
             eprintln!("bench: agent: {line}");
         }
         eprintln!(
             "bench: the restart's agent was started at unix {:.3}",
-            (std::time::SystemTime::now() - started.elapsed())
+            last_start
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs_f64())
                 .unwrap_or(0.0)
@@ -388,7 +405,10 @@ async fn run(agent: Agent) -> Figures {
         Figure::Value(peak),
     );
     push(
-        format!("agent restart (kill -9) → {n} pods re-verified and re-handed to the peer"),
+        format!(
+            "agent restart (kill -9) → {n} pods re-verified and re-handed to the peer, \
+             median of {RESTARTS}"
+        ),
         "ms",
         restart,
     );
