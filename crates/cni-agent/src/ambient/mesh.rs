@@ -685,68 +685,105 @@ impl Mesh {
             }
         };
         let started = Instant::now();
-        let namespaces = async {
+        // Each hinted pod in one job inside its namespace: that the namespace still holds the
+        // pod's IPs, then the check of its rules, so the check starts as soon as the pod's
+        // namespace is found rather than after every pod's (the restart is this pipeline).
+        let hinted = async {
             use futures::StreamExt;
             let lookups: Vec<_> = wanted
                 .iter()
                 .filter(|(_, (_, w))| !w.ips.is_empty())
-                .map(|(uid, (_, w))| {
-                    let (uid, ips) = (uid.clone(), w.ips.clone());
-                    async move {
-                        // Reading the hint (tmpfs) and opening its path (nsfs) do not block;
-                        // the check inside the namespace goes to a pod namespace worker.
-                        let ns = self.hints.open_unverified(&uid, &self.host_prefix)?;
-                        let inside = Arc::new(ns.try_clone().ok()?);
-                        let owns =
-                            in_netns(&inside, move |inside| Ok(HostNetns.owns(inside, &ips)))
-                                .await
-                                .unwrap_or_else(|e| Err(e.to_string()));
-                        super::hints::verified(&uid, owns).then_some((uid, ns))
-                    }
-                })
+                .map(|(uid, (pod, w))| self.restore_hinted(uid, pod, w, reconcile))
                 .collect();
-            let hits: Vec<Option<(String, Netns)>> = futures::stream::iter(lookups)
+            futures::stream::iter(lookups)
                 .buffer_unordered(PARALLEL_NETNS_WORK)
-                .collect()
-                .await;
-            hits.into_iter()
-                .flatten()
-                .collect::<HashMap<String, Netns>>()
+                .collect::<Vec<_>>()
+                .await
         };
-        let ((), mut found) = tokio::join!(probes, namespaces);
+        let ((), hits) = tokio::join!(probes, hinted);
+        let mut found = HashSet::new();
+        let mut repaired = 0;
+        for (uid, checked) in hits.into_iter().flatten() {
+            if let (Some((pod, _)), Some(result)) = (wanted.get(&uid), checked) {
+                repaired += usize::from(self.report_repair(pod, result));
+            }
+            found.insert(uid);
+        }
         let lookup: HashMap<String, WantedPod> = wanted
             .iter()
-            .filter(|(uid, _)| !found.contains_key(*uid))
+            .filter(|(uid, _)| !found.contains(*uid))
             .map(|(uid, (_, w))| (uid.clone(), w.clone()))
             .collect();
+        let mut discovered = Vec::new();
         if !lookup.is_empty() {
-            match self.discover(lookup).await {
-                Ok(more) => found.extend(more),
+            let scan = Instant::now();
+            let more = self.discover(lookup).await;
+            observe(&self.metrics.netns_resolve_seconds, scan.elapsed());
+            match more {
+                Ok(more) => {
+                    for (uid, netns) in more {
+                        if let Some((pod, w)) = wanted.get(&uid) {
+                            self.cache.upsert(&uid, w.workload.clone(), netns);
+                            discovered.push(pod.clone());
+                        }
+                    }
+                }
                 Err(e) => {
                     tracing::error!(error = %e, "netns discovery under /proc failed; those pods are kept, not re-handed")
                 }
             }
         }
-        observe(&self.metrics.netns_resolve_seconds, started.elapsed());
         tracing::info!(
             enrolled = wanted.len(),
-            found = found.len(),
+            found = found.len() + discovered.len(),
             "restored enrolled pods"
         );
-        let mut restored = Vec::new();
-        for (uid, netns) in found {
-            if let Some((pod, w)) = wanted.get(&uid) {
-                self.cache.upsert(&uid, w.workload.clone(), netns);
-                restored.push(pod.clone());
-            }
-        }
-        let repaired = self.check_restored(&restored, reconcile).await;
+        repaired += self.check_restored(&discovered, reconcile).await;
         tracing::info!(
-            checked = restored.len(),
+            checked = found.len() + discovered.len(),
             repaired,
             took = ?started.elapsed(),
             "enrolled pods' rules checked"
         );
+    }
+
+    /// A pod found through its netns hint, cached with that namespace once it is verified to
+    /// hold one of the pod's IPs, and checked in the same job inside it as
+    /// [`check_restored`](Self::check_restored) does (no check when the pod's overrides cannot be
+    /// read). `None` when the hint is missing or stale.
+    async fn restore_hinted(
+        &self,
+        uid: &str,
+        pod: &Pod,
+        wanted: &WantedPod,
+        reconcile: bool,
+    ) -> Option<(String, Option<Result<Option<RuleState>, BoxError>>)> {
+        // Reading the hint (tmpfs) and opening its path (nsfs) do not block; the rest goes to a
+        // pod namespace worker.
+        let ns = self.hints.open_unverified(uid, &self.host_prefix)?;
+        let inside = Arc::new(ns.try_clone().ok()?);
+        let (ips, cfg, rules) = (
+            wanted.ips.clone(),
+            self.pod_config(pod).ok(),
+            self.rules.clone(),
+        );
+        // Held until the pod is cached with its namespace, as an ADD or a removal would hold it.
+        let _pod_lock = self.locks.lock(uid).await;
+        let job = in_netns(&inside, move |inside| {
+            let owns = HostNetns.owns(inside, &ips);
+            let checked = (owns == Ok(true))
+                .then_some(cfg)
+                .flatten()
+                .map(|cfg| check_and_repair(&*rules, inside, &cfg, !reconcile));
+            Ok((owns, checked))
+        })
+        .await;
+        let (owns, checked) = job.unwrap_or_else(|e| (Err(e.to_string()), None));
+        if !super::hints::verified(uid, owns) {
+            return None;
+        }
+        self.cache.upsert(uid, wanted.workload.clone(), ns);
+        Some((uid.to_string(), checked))
     }
 
     /// The check of pods another agent enrolled: with `reconcile` their rules are verified and
