@@ -73,6 +73,32 @@ impl NetlinkSocket {
         })
     }
 
+    /// Asks the kernel to check dump requests strictly and to honour their filters (Linux 4.20+);
+    /// false where it cannot, and then dumps return everything, as before.
+    pub fn strict_check(&mut self) -> bool {
+        self.socket.set_netlink_get_strict_chk(true).is_ok()
+    }
+
+    /// Sends one get request (not a dump) and returns the kernel's answer.
+    pub fn get<T>(&mut self, payload: T) -> Result<Vec<T>, NetlinkError>
+    where
+        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+    {
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_ACK;
+        let replies = self.transact(vec![NetlinkMessage::new(
+            header,
+            NetlinkPayload::InnerMessage(payload),
+        )])?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|m| match m.payload {
+                NetlinkPayload::InnerMessage(m) => Some(m),
+                _ => None,
+            })
+            .collect())
+    }
+
     /// Sends one request and waits for its acknowledgement. `flags` is added to
     /// `NLM_F_REQUEST | NLM_F_ACK` (e.g. `NLM_F_CREATE | NLM_F_EXCL`).
     pub fn request<T>(&mut self, payload: T, flags: u16) -> Result<(), NetlinkError>

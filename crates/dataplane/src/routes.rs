@@ -179,6 +179,9 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
     netns.run(|| {
         let mut sock = open()?;
         let lo = loopback(&mut sock)?;
+        // With strict checking the kernel dumps only the policy's table rather than every route
+        // of the pod (its local and multicast routes are most of them), each parsed here.
+        let by_table = sock.strict_check();
         let mut present = Vec::new();
         for (family, route, rule) in [
             (
@@ -194,7 +197,19 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
         ] {
             let mut msg = RouteMessage::default();
             msg.header.address_family = family;
-            let routes = dump(&mut sock, RouteNetlinkMessage::GetRoute(msg), "list routes")?;
+            if by_table {
+                msg.header.table = policy.table as u8;
+                msg.attributes.push(RouteAttribute::Table(policy.table));
+            }
+            let routes = match dump(&mut sock, RouteNetlinkMessage::GetRoute(msg), "list routes") {
+                // A filtered dump of a table that does not exist (no route of ours yet).
+                Err(RouteError::Netlink { source, .. })
+                    if by_table && source.errno() == Some(libc::ENOENT) =>
+                {
+                    Vec::new()
+                }
+                other => other?,
+            };
             if routes.iter().any(
                 |m| matches!(m, RouteNetlinkMessage::NewRoute(r) if is_our_route(r, lo.index, policy)),
             ) {
@@ -256,17 +271,21 @@ struct Loopback {
     ipv6: bool,
 }
 
-/// Finds `lo` in one link dump. Its IPv6 state comes from the same message (the inet6 devconf's
+/// Asks for `lo` by name. Its IPv6 state comes from the same message (the inet6 devconf's
 /// `disable_ipv6` in `IFLA_AF_SPEC`) rather than `/proc/sys/net/ipv6/conf/lo/disable_ipv6`,
 /// whose path walk was a tenth of the agent's CPU across drift checks. No inet6 part (IPv6 off
 /// in the kernel) counts as enabled, as a read error of that file does in Istio: the route add
 /// then reports the real problem.
 fn loopback(sock: &mut NetlinkSocket) -> Result<Loopback, RouteError> {
-    let links = dump(
-        sock,
-        RouteNetlinkMessage::GetLink(LinkMessage::default()),
-        "list links",
-    )?;
+    let mut msg = LinkMessage::default();
+    msg.attributes.push(LinkAttribute::IfName("lo".into()));
+    let links = match sock.get(RouteNetlinkMessage::GetLink(msg)) {
+        Err(e) if e.errno() == Some(libc::ENODEV) => return Err(RouteError::NoLoopback),
+        other => other.map_err(|source| RouteError::Netlink {
+            what: "get lo".into(),
+            source,
+        })?,
+    };
     links
         .iter()
         .find_map(|m| match m {

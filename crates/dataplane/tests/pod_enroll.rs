@@ -66,6 +66,37 @@ fn enroll_verify_unenroll_each_backend() {
             "{name}"
         );
 
+        // So is losing the IPv4 local route, with the IPv6 one (same table number) still there:
+        // the route read asks for table 100 alone, per family.
+        ns.exec(
+            "ip",
+            &[
+                "route",
+                "del",
+                "local",
+                "0.0.0.0/0",
+                "dev",
+                "lo",
+                "table",
+                "100",
+            ],
+        );
+        let RuleState::Drifted(d) = pod::verify(&netns, &cfg, b.as_ref()).unwrap() else {
+            panic!("{name}")
+        };
+        assert!(
+            d.to_string()
+                .contains("- ip route local 0.0.0.0/0 dev lo table 100"),
+            "{name}: {d}"
+        );
+        assert!(!d.to_string().contains("::/0"), "{name}: {d}");
+        pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
+        assert_eq!(
+            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+            RuleState::InSync,
+            "{name}"
+        );
+
         pod::unenroll(&netns, &cfg, b.as_ref()).unwrap();
         assert_eq!(
             pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
