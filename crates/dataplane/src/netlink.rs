@@ -84,13 +84,8 @@ impl NetlinkSocket {
     where
         T: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK;
-        let replies = self.transact(vec![NetlinkMessage::new(
-            header,
-            NetlinkPayload::InnerMessage(payload),
-        )])?;
-        Ok(replies
+        Ok(self
+            .acked(payload, 0)?
             .into_iter()
             .filter_map(|m| match m.payload {
                 NetlinkPayload::InnerMessage(m) => Some(m),
@@ -105,13 +100,20 @@ impl NetlinkSocket {
     where
         T: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
+        self.acked(payload, flags).map(|_| ())
+    }
+
+    /// One message with `NLM_F_REQUEST | NLM_F_ACK | flags`, through [`transact`](Self::transact).
+    fn acked<T>(&mut self, payload: T, flags: u16) -> Result<Vec<NetlinkMessage<T>>, NetlinkError>
+    where
+        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+    {
         let mut header = NetlinkHeader::default();
         header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
         self.transact(vec![NetlinkMessage::new(
             header,
             NetlinkPayload::InnerMessage(payload),
         )])
-        .map(|_| ())
     }
 
     /// Sends a dump request and collects every reply until `NLMSG_DONE`.

@@ -46,56 +46,45 @@ fn enroll_verify_unenroll_each_backend() {
             "{name}"
         );
 
-        // Losing the fwmark rule is drift, named in the report.
-        ns.exec(
-            "ip",
-            &["rule", "del", "fwmark", "0x111/0xfff", "table", "100"],
-        );
-        let RuleState::Drifted(d) = pod::verify(&netns, &cfg, b.as_ref()).unwrap() else {
-            panic!("{name}")
-        };
-        assert!(
+        // Drift after `ip <args>`, as the report names it; a re-enroll brings the pod back in sync.
+        let drift_after = |args: &[&str]| -> String {
+            ns.exec("ip", args);
+            let RuleState::Drifted(d) = pod::verify(&netns, &cfg, b.as_ref()).unwrap() else {
+                panic!("{name}")
+            };
+            pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
+            assert_eq!(
+                pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+                RuleState::InSync,
+                "{name}"
+            );
             d.to_string()
-                .contains("- ip rule fwmark 0x111/0xfff lookup 100 pref 32764"),
+        };
+
+        // Losing the fwmark rule is drift, named in the report.
+        let d = drift_after(&["rule", "del", "fwmark", "0x111/0xfff", "table", "100"]);
+        assert!(
+            d.contains("- ip rule fwmark 0x111/0xfff lookup 100 pref 32764"),
             "{name}: {d}"
-        );
-        pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
-        assert_eq!(
-            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
-            RuleState::InSync,
-            "{name}"
         );
 
         // So is losing the IPv4 local route, with the IPv6 one (same table number) still there:
         // the route read asks for table 100 alone, per family.
-        ns.exec(
-            "ip",
-            &[
-                "route",
-                "del",
-                "local",
-                "0.0.0.0/0",
-                "dev",
-                "lo",
-                "table",
-                "100",
-            ],
-        );
-        let RuleState::Drifted(d) = pod::verify(&netns, &cfg, b.as_ref()).unwrap() else {
-            panic!("{name}")
-        };
+        let d = drift_after(&[
+            "route",
+            "del",
+            "local",
+            "0.0.0.0/0",
+            "dev",
+            "lo",
+            "table",
+            "100",
+        ]);
         assert!(
-            d.to_string()
-                .contains("- ip route local 0.0.0.0/0 dev lo table 100"),
+            d.contains("- ip route local 0.0.0.0/0 dev lo table 100"),
             "{name}: {d}"
         );
-        assert!(!d.to_string().contains("::/0"), "{name}: {d}");
-        pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
-        assert_eq!(
-            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
-            RuleState::InSync,
-            "{name}"
-        );
+        assert!(!d.contains("::/0"), "{name}: {d}");
 
         pod::unenroll(&netns, &cfg, b.as_ref()).unwrap();
         assert_eq!(

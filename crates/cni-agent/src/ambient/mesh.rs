@@ -703,10 +703,8 @@ impl Mesh {
         let ((), hits) = tokio::join!(probes, hinted);
         let mut found = HashSet::new();
         let mut repaired = 0;
-        for (uid, checked) in hits.into_iter().flatten() {
-            if let (Some((pod, _)), Some(result)) = (wanted.get(&uid), checked) {
-                repaired += usize::from(self.report_repair(pod, result));
-            }
+        for (uid, was_repaired) in hits.into_iter().flatten() {
+            repaired += usize::from(was_repaired);
             found.insert(uid);
         }
         let lookup: HashMap<String, WantedPod> = wanted
@@ -750,14 +748,15 @@ impl Mesh {
     /// A pod found through its netns hint, cached with that namespace once it is verified to
     /// hold one of the pod's IPs, and checked in the same job inside it as
     /// [`check_restored`](Self::check_restored) does (no check when the pod's overrides cannot be
-    /// read). `None` when the hint is missing or stale.
+    /// read). Returns the pod's UID and whether it was repaired; `None` when the hint is missing
+    /// or stale.
     async fn restore_hinted(
         &self,
         uid: &str,
         pod: &Pod,
         wanted: &WantedPod,
         reconcile: bool,
-    ) -> Option<(String, Option<Result<Option<RuleState>, BoxError>>)> {
+    ) -> Option<(String, bool)> {
         // Reading the hint (tmpfs) and opening its path (nsfs) do not block; the rest goes to a
         // pod namespace worker.
         let ns = self.hints.open_unverified(uid, &self.host_prefix)?;
@@ -783,7 +782,8 @@ impl Mesh {
             return None;
         }
         self.cache.upsert(uid, wanted.workload.clone(), ns);
-        Some((uid.to_string(), checked))
+        let repaired = checked.is_some_and(|result| self.report_repair(pod, result));
+        Some((uid.to_string(), repaired))
     }
 
     /// The check of pods another agent enrolled: with `reconcile` their rules are verified and
