@@ -436,11 +436,17 @@ async fn start_ambient(
         tokio::spawn(await_previous_agent(waiting, tx.clone()));
     }
     let (restored_tx, restored_rx) = oneshot::channel();
+    // Runs while the watches' first lists are still on their way (see `precheck_hinted`).
+    let prechecks = tokio::spawn({
+        let (mesh, reconcile) = (mesh.clone(), cfg.reconcile_on_startup);
+        async move { mesh.precheck_hinted(reconcile).await }
+    });
     let reconciler = Reconciler {
         cache: cluster.clone(),
         mesh: mesh.clone(),
         policy: policy.clone(),
         reconcile_on_startup: cfg.reconcile_on_startup,
+        prechecks: Some(prechecks),
     };
     tokio::spawn(reconciler.run(rx, tx, restored_tx));
 

@@ -61,24 +61,28 @@ impl NetnsOpener for HostNetns {
     }
 
     fn owns(&self, netns: &Netns, ips: &[IpAddr]) -> Result<bool, String> {
-        let addrs = netns
-            .run(|| {
-                nix::ifaddrs::getifaddrs().map(|it| {
-                    it.filter_map(|ifa| ifa.address)
-                        .filter_map(|a| {
-                            if let Some(v4) = a.as_sockaddr_in() {
-                                Some(IpAddr::V4(v4.ip()))
-                            } else {
-                                a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
-                            }
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("listing addresses: {e}"))?;
-        Ok(addresses_contain_any(&addrs, ips))
+        Ok(addresses_contain_any(&addresses(netns)?, ips))
     }
+}
+
+/// Every address of every interface in `netns`.
+pub fn addresses(netns: &Netns) -> Result<Vec<IpAddr>, String> {
+    netns
+        .run(|| {
+            nix::ifaddrs::getifaddrs().map(|it| {
+                it.filter_map(|ifa| ifa.address)
+                    .filter_map(|a| {
+                        if let Some(v4) = a.as_sockaddr_in() {
+                            Some(IpAddr::V4(v4.ip()))
+                        } else {
+                            a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+                        }
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("listing addresses: {e}"))
 }
 
 /// True when any address equals any pod IP, comparing IPv4-mapped IPv6 as IPv4.

@@ -290,6 +290,7 @@ async fn run(agent: Agent) -> Figures {
         }
         let steps = [
             "host probe rules in place",
+            "hinted namespaces checked",
             "watches synced",
             "restored enrolled pods",
             "enrolled pods' rules checked",

@@ -636,12 +636,26 @@ impl TestNode {
         name: &str,
         labels: &[(&str, &str)],
     ) -> TestPod {
-        let labels: serde_json::Map<String, Value> = labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), Value::from(*v)))
-            .collect();
+        self.create_annotated_pod_object(namespace, name, labels, &[])
+            .await
+    }
+
+    /// [`create_pod_object`](Self::create_pod_object) with annotations (a pod's own redirection
+    /// settings).
+    pub async fn create_annotated_pod_object(
+        &self,
+        namespace: &str,
+        name: &str,
+        labels: &[(&str, &str)],
+        annotations: &[(&str, &str)],
+    ) -> TestPod {
+        let map = |kv: &[(&str, &str)]| -> serde_json::Map<String, Value> {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), Value::from(*v)))
+                .collect()
+        };
         let pod: Pod = serde_json::from_value(json!({
-            "metadata": {"name": name, "labels": labels},
+            "metadata": {"name": name, "labels": map(labels), "annotations": map(annotations)},
             "spec": {"nodeName": self.node_name, "serviceAccountName": "default",
                      "containers": [{"name": "app", "image": "app"}]}
         }))

@@ -5,10 +5,11 @@
 
 use std::time::Duration;
 
-use testbed::node::{Backend, TestNode};
+use testbed::node::{Backend, TestNode, TestPod};
 use testbed::zds_peer::{AddReply, PeerConfig, ZdsPeer};
 
 const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
+const BYPASS_INBOUND: &str = "ambient.istio.io/bypass-inbound-capture";
 
 /// Both iptables variants: the agent uses whichever the host uses.
 fn iptables_rules(netns: &dataplane::test_support::TestNetns) -> String {
@@ -249,6 +250,68 @@ async fn agent_crash_and_restart_keeps_pods_redirected() {
     assert_eq!(node.redirection(&pod).await.as_deref(), Some("enabled"));
     let (ok, text) = node.explain(&pod);
     assert!(ok && text.contains("meshed:      yes"), "{text}");
+}
+
+/// Rules that drifted while no agent ran are repaired by the next one before it is ready, each pod
+/// against its own settings: the restart checks the hinted namespaces against the node's settings
+/// while the API server's lists are on their way, and a pod with settings of its own must be
+/// checked against those, not "repaired" to the node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_repairs_rules_that_drifted_while_no_agent_ran() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Iptables).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let (drifted, result) = node.create_pod("mesh", "drifted", &[]).await;
+    result.unwrap();
+    let mut own = node
+        .create_annotated_pod_object("mesh", "own-settings", &[], &[(BYPASS_INBOUND, "true")])
+        .await;
+    node.sandbox_add(&mut own)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    // Without comments: iptables-save stamps them with the time.
+    let rules = |pod: &TestPod| {
+        iptables_rules(&pod.netns)
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let own_rules = rules(&own);
+    assert!(
+        rules(&drifted).contains("--to-ports 15006") && !own_rules.contains("--to-ports 15006"),
+        "the two pods' settings differ:\n{own_rules}"
+    );
+
+    node.kill_agent();
+    for variant in ["iptables-legacy", "iptables-nft"] {
+        // Only the variant the agent uses has the chain.
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "exec", &drifted.netns.name, variant])
+            .args(["-t", "nat", "-F", "ISTIO_OUTPUT"])
+            .output();
+    }
+    assert!(!rules(&drifted).contains("--to-ports 15001"));
+    node.start_agent();
+    node.wait_ready().await;
+
+    let log = node.agent_log();
+    assert!(
+        rules(&drifted).contains("--to-ports 15001"),
+        "not repaired before ready:\n{log}"
+    );
+    assert_eq!(rules(&own), own_rules, "{log}");
+    assert!(
+        node.metrics()
+            .contains("istio_cni_drift_repairs_total{backend=\"iptables\"} 1"),
+        "{}",
+        node.metrics()
+    );
+    assert!(
+        log.contains("hinted namespaces checked namespaces=2"),
+        "{log}"
+    );
 }
 
 /// A handover's last pod: the previous agent (nftables) answered its ADD, but the kubelet had not

@@ -136,6 +136,17 @@ impl NetnsHints {
         }
     }
 
+    /// The UIDs that have a hint.
+    pub fn uids(&self) -> Vec<String> {
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        dir.flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|name| valid_uid(name))
+            .collect()
+    }
+
     /// Opens the hinted namespace (under `host_prefix`) if it is a network namespace that holds
     /// one of `ips`; `None` otherwise (no hint, gone, reused by another pod, or no IPs to check).
     pub fn open_verified(&self, uid: &str, ips: &[IpAddr], host_prefix: &Path) -> Option<Netns> {

@@ -36,7 +36,9 @@ use dataplane::netns::Netns;
 use super::cluster::Annotator;
 use crate::metrics::{BackendLabel, Metrics, observe};
 use crate::netns_cache::NetnsCache;
-use crate::procfs::{HostNetns, NetnsOpener, ProcScanner, WantedPod};
+use crate::procfs::{
+    HostNetns, NetnsOpener, ProcScanner, WantedPod, addresses, addresses_contain_any,
+};
 use crate::zds::ZdsHandle;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -638,8 +640,9 @@ impl Mesh {
     /// their IPs go back into the probe set (stale entries pruned only when every pod's IPs are
     /// known), their namespaces are found under /proc, and with `reconcile` their rules are
     /// verified and repaired where they drifted. Pods whose namespace is not found stay in the
-    /// cache without one, so ztunnel is told to keep them rather than drop them.
-    pub async fn restore(&self, pods: &[Arc<Pod>], reconcile: bool) {
+    /// cache without one, so ztunnel is told to keep them rather than drop them. A pod found in
+    /// `prechecked` as it is listed (its IPs there, the node's settings) is not checked again.
+    pub async fn restore(&self, pods: &[Arc<Pod>], reconcile: bool, mut prechecked: Prechecks) {
         let mut keep = HashSet::new();
         let mut complete = true;
         let mut wanted = HashMap::new();
@@ -693,7 +696,9 @@ impl Mesh {
             let lookups: Vec<_> = wanted
                 .iter()
                 .filter(|(_, (_, w))| !w.ips.is_empty())
-                .map(|(uid, (pod, w))| self.restore_hinted(uid, pod, w, reconcile))
+                .map(|(uid, (pod, w))| {
+                    self.restore_hinted(uid, pod, w, reconcile, prechecked.remove(uid))
+                })
                 .collect();
             futures::stream::iter(lookups)
                 .buffer_unordered(PARALLEL_NETNS_WORK)
@@ -756,18 +761,26 @@ impl Mesh {
         pod: &Pod,
         wanted: &WantedPod,
         reconcile: bool,
+        prechecked: Option<Prechecked>,
     ) -> Option<(String, bool)> {
+        let cfg = self.pod_config(pod).ok();
+        if let Some(pre) = prechecked.filter(|pre| {
+            cfg.as_ref() == Some(&pre.cfg) && addresses_contain_any(&pre.addrs, &wanted.ips)
+        }) {
+            return self
+                .restore_prechecked(uid, pod, wanted, reconcile, pre)
+                .await;
+        }
         // Reading the hint (tmpfs) and opening its path (nsfs) do not block; the rest goes to a
         // pod namespace worker.
         let ns = self.hints.open_unverified(uid, &self.host_prefix)?;
         let inside = Arc::new(ns.try_clone().ok()?);
-        let (ips, cfg, rules) = (
-            wanted.ips.clone(),
-            self.pod_config(pod).ok(),
-            self.rules.clone(),
-        );
+        let (ips, rules) = (wanted.ips.clone(), self.rules.clone());
         // Held until the pod is cached with its namespace, as an ADD or a removal would hold it.
         let _pod_lock = self.locks.lock(uid).await;
+        if self.enrolled_since_start(uid) {
+            return Some((uid.to_string(), false));
+        }
         let job = in_netns(&inside, move |inside| {
             let owns = HostNetns.owns(inside, &ips);
             let checked = (owns == Ok(true))
@@ -784,6 +797,96 @@ impl Mesh {
         self.cache.upsert(uid, wanted.workload.clone(), ns);
         let repaired = checked.is_some_and(|result| self.report_repair(pod, result));
         Some((uid.to_string(), repaired))
+    }
+
+    /// [`restore_hinted`](Self::restore_hinted) for a pod whose namespace was checked before the
+    /// lists arrived: cached at once when that check found nothing to repair; otherwise checked
+    /// again under the pod's lock (the first check did not hold it) and repaired.
+    async fn restore_prechecked(
+        &self,
+        uid: &str,
+        pod: &Pod,
+        wanted: &WantedPod,
+        reconcile: bool,
+        pre: Prechecked,
+    ) -> Option<(String, bool)> {
+        let _pod_lock = self.locks.lock(uid).await;
+        if self.enrolled_since_start(uid) {
+            return Some((uid.to_string(), false));
+        }
+        let result = match pre.found {
+            Ok(None) => Ok(None),
+            Ok(Some(_)) | Err(_) => {
+                let (inside, rules, cfg) = (
+                    Arc::new(pre.netns.try_clone().ok()?),
+                    self.rules.clone(),
+                    pre.cfg,
+                );
+                in_netns(&inside, move |inside| {
+                    check_and_repair(&*rules, inside, &cfg, !reconcile)
+                })
+                .await
+            }
+        };
+        self.cache.upsert(uid, wanted.workload.clone(), pre.netns);
+        Some((uid.to_string(), self.report_repair(pod, result)))
+    }
+
+    /// Whether a CNI ADD enrolled `uid` since this agent started (it holds the namespace the
+    /// runtime just gave the pod, which a restore must not replace with the hinted one).
+    fn enrolled_since_start(&self, uid: &str) -> bool {
+        self.cache.get(uid).is_some_and(|e| e.netns.is_some())
+    }
+
+    /// Checks every hinted namespace before the API server's lists say which pods are enrolled,
+    /// so that after a restart the namespace work overlaps the lists rather than following them:
+    /// each namespace's addresses, and its rules against the node's settings (what a pod without
+    /// overrides has), read only. [`restore`](Self::restore) uses a result only for a listed pod
+    /// whose IPs the namespace holds and whose settings are those; any other pod is checked as
+    /// before.
+    pub async fn precheck_hinted(&self, reconcile: bool) -> Prechecks {
+        use futures::StreamExt;
+        let started = Instant::now();
+        let Ok((cfg, _)) = inpod_config(&self.global, std::iter::empty()) else {
+            return Prechecks::new();
+        };
+        let jobs: Vec<_> = self
+            .hints
+            .uids()
+            .into_iter()
+            .map(|uid| {
+                let (cfg, rules) = (cfg.clone(), self.rules.clone());
+                async move {
+                    let netns = self.hints.open_unverified(&uid, &self.host_prefix)?;
+                    let inside = Arc::new(netns.try_clone().ok()?);
+                    let check_cfg = cfg.clone();
+                    let (addrs, found) = in_netns(&inside, move |inside| {
+                        let found = check(&*rules, inside, &check_cfg, !reconcile);
+                        Ok((addresses(inside), found.map_err(|e| e.to_string())))
+                    })
+                    .await
+                    .ok()?;
+                    let pre = Prechecked {
+                        netns,
+                        addrs: addrs.ok()?,
+                        cfg,
+                        found,
+                    };
+                    Some((uid, pre))
+                }
+            })
+            .collect();
+        let prechecked: Prechecks = futures::stream::iter(jobs)
+            .buffer_unordered(PARALLEL_NETNS_WORK)
+            .filter_map(std::future::ready)
+            .collect()
+            .await;
+        tracing::info!(
+            namespaces = prechecked.len(),
+            took = ?started.elapsed(),
+            "hinted namespaces checked"
+        );
+        prechecked
     }
 
     /// The check of pods another agent enrolled: with `reconcile` their rules are verified and
@@ -862,9 +965,22 @@ impl Mesh {
     }
 }
 
-/// Verifies a pod's rules and re-applies them where they drifted (with `leftovers_only`, only
-/// when it holds the previous backend's rules); returns the state found when it repaired.
-fn check_and_repair(
+/// A hinted namespace as [`Mesh::precheck_hinted`] found it.
+pub struct Prechecked {
+    netns: Netns,
+    addrs: Vec<IpAddr>,
+    /// The settings its rules were checked against.
+    cfg: InpodConfig,
+    /// What [`check`] found.
+    found: Result<Option<RuleState>, String>,
+}
+
+/// Prechecked namespaces by pod UID.
+pub type Prechecks = HashMap<String, Prechecked>;
+
+/// What [`check_and_repair`] would repair: the state found, or `None` when the rules are in sync
+/// (with `leftovers_only`, when the pod holds no rules of the previous backend).
+fn check(
     rules: &dyn PodRules,
     netns: &Netns,
     cfg: &InpodConfig,
@@ -875,7 +991,21 @@ fn check_and_repair(
     }
     match rules.verify(netns, cfg)? {
         RuleState::InSync => Ok(None),
-        state => rules.enroll(netns, cfg).map(|()| Some(state)),
+        state => Ok(Some(state)),
+    }
+}
+
+/// Verifies a pod's rules and re-applies them where they drifted (with `leftovers_only`, only
+/// when it holds the previous backend's rules); returns the state found when it repaired.
+fn check_and_repair(
+    rules: &dyn PodRules,
+    netns: &Netns,
+    cfg: &InpodConfig,
+    leftovers_only: bool,
+) -> Result<Option<RuleState>, BoxError> {
+    match check(rules, netns, cfg, leftovers_only)? {
+        None => Ok(None),
+        Some(state) => rules.enroll(netns, cfg).map(|()| Some(state)),
     }
 }
 

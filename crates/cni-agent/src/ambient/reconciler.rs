@@ -12,7 +12,7 @@ use cni_core::enroll::CompiledSelectors;
 use cni_core::reconcile::{Action, Scope, on_delete, on_update};
 
 use super::cluster::{ClusterEvent, PodKey, SharedCache, facts, pod_key};
-use super::mesh::Mesh;
+use super::mesh::{Mesh, Prechecks};
 use crate::metrics::{TypeLabel, observe};
 
 /// Which pods the node enrolls.
@@ -42,6 +42,8 @@ pub struct Reconciler {
     pub policy: Arc<Policy>,
     /// Verify and repair the rules of pods enrolled before this agent started.
     pub reconcile_on_startup: bool,
+    /// The check of hinted namespaces started with the agent ([`Mesh::precheck_hinted`]).
+    pub prechecks: Option<tokio::task::JoinHandle<Prechecks>>,
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(5);
@@ -53,7 +55,7 @@ impl Reconciler {
     /// before this agent started are restored and `restored` fires (the ZDS server waits for it,
     /// so the first ztunnel gets a complete snapshot).
     pub async fn run(
-        self,
+        mut self,
         mut rx: mpsc::UnboundedReceiver<ClusterEvent>,
         tx: mpsc::UnboundedSender<ClusterEvent>,
         restored: tokio::sync::oneshot::Sender<()>,
@@ -72,8 +74,12 @@ impl Reconciler {
                     // Pods deleted while no agent ran were never seen going.
                     let uids = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
                     self.mesh.hints.retain(&uids);
+                    let prechecked = match self.prechecks.take() {
+                        Some(job) => job.await.unwrap_or_default(),
+                        None => Prechecks::new(),
+                    };
                     self.mesh
-                        .restore(&self.enrolled(&pods), self.reconcile_on_startup)
+                        .restore(&self.enrolled(&pods), self.reconcile_on_startup, prechecked)
                         .await;
                     if let Some(r) = restored.take() {
                         let _ = r.send(());
