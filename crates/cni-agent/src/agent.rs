@@ -281,7 +281,7 @@ fn spawn_drift_checks(
             tokio::time::sleep(every).await;
             // Hints a full run dir refused, now that there may be room.
             mesh.hints.write_pending();
-            let enrolled: Vec<Arc<k8s_openapi::api::core::v1::Pod>> = cluster
+            let enrolled: Vec<Arc<crate::ambient::cluster::CachedPod>> = cluster
                 .read()
                 .unwrap()
                 .pods

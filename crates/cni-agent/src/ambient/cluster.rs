@@ -3,10 +3,12 @@
 //! `pods/status`). Watch errors are retried with backoff by the watcher and logged, never dropped.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::{Arc, LockResult, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Pod, PodSpec, PodStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
@@ -22,7 +24,7 @@ use crate::http::ReadyFlag;
 /// `namespace/name`
 pub type PodKey = (String, String);
 
-pub fn pod_key(pod: &Pod) -> PodKey {
+pub fn pod_key(pod: &CachedPod) -> PodKey {
     (
         pod.metadata.namespace.clone().unwrap_or_default(),
         pod.metadata.name.clone().unwrap_or_default(),
@@ -32,7 +34,7 @@ pub fn pod_key(pod: &Pod) -> PodKey {
 /// Last seen pods of this node and labels of every namespace.
 #[derive(Default)]
 pub struct ClusterCache {
-    pub pods: HashMap<PodKey, Arc<Pod>>,
+    pub pods: HashMap<PodKey, Arc<CachedPod>>,
     pub namespaces: HashMap<String, Labels>,
 }
 
@@ -59,7 +61,7 @@ impl Cluster {
     }
 
     /// Adds or replaces a pod; returns the one it replaced.
-    pub fn upsert_pod(&self, pod: Arc<Pod>) -> Option<Arc<Pod>> {
+    pub fn upsert_pod(&self, pod: Arc<CachedPod>) -> Option<Arc<CachedPod>> {
         let old = self.state.write().unwrap().pods.insert(pod_key(&pod), pod);
         self.updated.notify_waiters();
         old
@@ -67,7 +69,7 @@ impl Cluster {
 
     /// Caches a pod read from the API server unless the watch already delivered one; returns
     /// the cached pod.
-    pub fn insert_if_absent(&self, pod: Arc<Pod>) -> Arc<Pod> {
+    pub fn insert_if_absent(&self, pod: Arc<CachedPod>) -> Arc<CachedPod> {
         let mut c = self.state.write().unwrap();
         c.pods.entry(pod_key(&pod)).or_insert(pod).clone()
     }
@@ -87,10 +89,10 @@ pub type SharedCache = Arc<Cluster>;
 pub enum ClusterEvent {
     /// A pod was added or changed (`old` is `None` the first time we see it).
     Pod {
-        old: Option<Arc<Pod>>,
-        new: Arc<Pod>,
+        old: Option<Arc<CachedPod>>,
+        new: Arc<CachedPod>,
     },
-    PodDeleted(Arc<Pod>),
+    PodDeleted(Arc<CachedPod>),
     /// A namespace appeared or its labels changed.
     Namespace {
         name: String,
@@ -103,65 +105,104 @@ pub enum ClusterEvent {
     PreviousAgentExited,
 }
 
-/// What a cached pod keeps. Hundreds of pods per node are kept for the agent's life, and of most
-/// the agent reads only metadata, `hostNetwork`, the service account, phase and IPs: the rest of
-/// spec and status (containers, volumes, conditions, container statuses: the bulk of a pod) is
-/// dropped. A sidecar pod stays whole, as the plugin programs its rules from the pod it is handed.
-/// `managedFields` (server-side apply bookkeeping, often a third of a pod) goes from every pod.
-pub fn trim_pod(pod: &mut Pod) {
-    pod.metadata.managed_fields = None;
-    let sidecar = pod
-        .metadata
-        .annotations
-        .as_ref()
-        .is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION));
-    if sidecar {
-        return;
+/// What the agent keeps of a pod. Hundreds of pods per node are kept for the agent's life, and of
+/// most the agent reads only metadata, `hostNetwork`, the service account, whether the pod finished
+/// and its IPs: the rest of spec and status (containers, volumes, conditions, container statuses)
+/// is dropped, and so is the room `Pod` reserves for them (2 KiB of empty fields per pod, most of
+/// a loaded agent's pod cache). A sidecar pod keeps its whole spec and status, as the plugin
+/// programs its rules from the pod it is handed. `managedFields` (server-side apply bookkeeping,
+/// often a third of a pod) goes from every pod.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CachedPod {
+    pub metadata: ObjectMeta,
+    pub host_network: bool,
+    pub service_account: Option<String>,
+    /// Phase `Succeeded` or `Failed`.
+    pub terminal: bool,
+    /// `status.podIPs`, else `status.podIP`.
+    pub ips: Vec<IpAddr>,
+    sidecar: Option<Box<(Option<PodSpec>, Option<PodStatus>)>>,
+}
+
+impl From<Pod> for CachedPod {
+    fn from(pod: Pod) -> Self {
+        let Pod {
+            mut metadata,
+            spec,
+            status,
+        } = pod;
+        metadata.managed_fields = None;
+        let mut cached = CachedPod {
+            host_network: spec.as_ref().and_then(|s| s.host_network).unwrap_or(false),
+            service_account: spec.as_ref().and_then(|s| s.service_account_name.clone()),
+            terminal: matches!(
+                status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            ),
+            ips: pod_ips(status.as_ref()),
+            sidecar: None,
+            metadata,
+        };
+        let sidecar = cached
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION));
+        if sidecar {
+            cached.sidecar = Some(Box::new((spec, status)));
+        }
+        cached
     }
-    pod.spec = pod.spec.take().map(|s| PodSpec {
-        host_network: s.host_network,
-        service_account_name: s.service_account_name,
-        ..PodSpec::default()
-    });
-    pod.status = pod.status.take().map(|s| PodStatus {
-        phase: s.phase,
-        pod_ip: s.pod_ip,
-        pod_ips: s.pod_ips,
-        ..PodStatus::default()
-    });
+}
+
+/// `status.podIPs`, else `status.podIP`.
+pub fn pod_ips(status: Option<&PodStatus>) -> Vec<IpAddr> {
+    let Some(status) = status else {
+        return Vec::new();
+    };
+    let ips: Vec<IpAddr> = status
+        .pod_ips
+        .iter()
+        .flatten()
+        .filter_map(|ip| ip.ip.parse().ok())
+        .collect();
+    if !ips.is_empty() {
+        return ips;
+    }
+    status
+        .pod_ip
+        .as_deref()
+        .and_then(|ip| ip.parse().ok())
+        .into_iter()
+        .collect()
+}
+
+impl CachedPod {
+    /// The pod as the API server sent it (without `managedFields`), for sidecar pods: the only
+    /// ones kept whole.
+    pub fn sidecar_pod(&self) -> Option<Pod> {
+        let (spec, status) = self.sidecar.as_deref()?.clone();
+        Some(Pod {
+            metadata: self.metadata.clone(),
+            spec,
+            status,
+        })
+    }
 }
 
 /// Facts about a pod for the pure reconcile rules.
-pub fn facts(pod: &Pod) -> PodFacts {
+pub fn facts(pod: &CachedPod) -> PodFacts {
     let meta = &pod.metadata;
     let to_map =
         |m: &Option<std::collections::BTreeMap<String, String>>| m.clone().unwrap_or_default();
-    let view = PodView {
-        labels: to_map(&meta.labels),
-        annotations: to_map(&meta.annotations),
-        host_network: pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.host_network)
-            .unwrap_or(false),
-    };
-    let status = pod.status.as_ref();
-    let phase = status.and_then(|s| s.phase.as_deref());
-    let mut ips: Vec<std::net::IpAddr> = status
-        .and_then(|s| s.pod_ips.as_ref())
-        .map(|ips| ips.iter().filter_map(|ip| ip.ip.parse().ok()).collect())
-        .unwrap_or_default();
-    if ips.is_empty()
-        && let Some(ip) = status
-            .and_then(|s| s.pod_ip.as_deref())
-            .and_then(|ip| ip.parse().ok())
-    {
-        ips.push(ip);
-    }
     PodFacts {
-        view,
-        terminal: matches!(phase, Some("Succeeded" | "Failed")),
-        ips,
+        view: PodView {
+            labels: to_map(&meta.labels),
+            annotations: to_map(&meta.annotations),
+            host_network: pod.host_network,
+        },
+        terminal: pod.terminal,
+        ips: pod.ips.clone(),
     }
 }
 
@@ -181,17 +222,14 @@ pub fn spawn_watches(
 
     let (cache_p, tx_p) = (cache.clone(), tx.clone());
     tokio::spawn(async move {
-        let mut stream = watcher(pods, cfg)
-            .default_backoff()
-            .modify(trim_pod)
-            .boxed();
-        let mut relist: Option<HashMap<PodKey, Arc<Pod>>> = None;
+        let mut stream = watcher(pods, cfg).default_backoff().boxed();
+        let mut relist: Option<HashMap<PodKey, Arc<CachedPod>>> = None;
         let mut signal = Some(pods_synced_tx);
         while let Some(event) = stream.next().await {
             match event {
                 Ok(WatchEvent::Init) => relist = Some(HashMap::new()),
                 Ok(WatchEvent::InitApply(pod)) | Ok(WatchEvent::Apply(pod)) => {
-                    let pod = Arc::new(pod);
+                    let pod = Arc::new(CachedPod::from(pod));
                     if let Some(seen) = relist.as_mut() {
                         seen.insert(pod_key(&pod), pod.clone());
                     }
@@ -199,13 +237,14 @@ pub fn spawn_watches(
                     let _ = tx_p.send(ClusterEvent::Pod { old, new: pod });
                 }
                 Ok(WatchEvent::Delete(pod)) => {
+                    let pod = Arc::new(CachedPod::from(pod));
                     cache_p.write().unwrap().pods.remove(&pod_key(&pod));
-                    let _ = tx_p.send(ClusterEvent::PodDeleted(Arc::new(pod)));
+                    let _ = tx_p.send(ClusterEvent::PodDeleted(pod));
                 }
                 Ok(WatchEvent::InitDone) => {
                     // Pods that vanished while the watch was down are deletes we never saw.
                     if let Some(seen) = relist.take() {
-                        let gone: Vec<Arc<Pod>> = {
+                        let gone: Vec<Arc<CachedPod>> = {
                             let mut c = cache_p.write().unwrap();
                             let keys: Vec<PodKey> = c
                                 .pods
@@ -344,28 +383,37 @@ mod tests {
         .unwrap()
     }
 
-    /// A pod with `annotations`, whole and as cached; no cached pod keeps `managedFields`.
-    fn whole_and_cached(annotations: serde_json::Value) -> (Pod, Pod) {
-        let whole = pod(annotations);
-        let mut cached = whole.clone();
-        trim_pod(&mut cached);
+    #[test]
+    fn a_cached_pod_keeps_what_enrollment_reads() {
+        let cached = CachedPod::from(pod(json!({"ambient.istio.io/redirection": "enabled"})));
         assert!(cached.metadata.managed_fields.is_none());
-        (whole, cached)
+        assert!(cached.sidecar_pod().is_none());
+        let f = facts(&cached);
+        assert_eq!(f.redirection(), Redirection::Enabled);
+        assert_eq!(f.view.labels.get("app").map(String::as_str), Some("a"));
+        assert!(f.view.host_network);
+        assert!(!f.terminal);
+        assert_eq!(f.ips, vec!["10.0.0.5".parse::<IpAddr>().unwrap()]);
+        assert_eq!(workload_info(&cached).service_account, "sa");
     }
 
     #[test]
-    fn a_cached_pod_keeps_what_enrollment_reads() {
-        let (whole, cached) = whole_and_cached(json!({"ambient.istio.io/redirection": "enabled"}));
-        assert_eq!(facts(&cached), facts(&whole));
-        assert_eq!(workload_info(&cached), workload_info(&whole));
-        let spec = cached.spec.unwrap();
-        assert!(spec.containers.is_empty());
-        assert!(cached.status.unwrap().conditions.is_none());
+    fn pod_ip_stands_in_for_missing_pod_ips_and_finished_phases_are_terminal() {
+        let mut whole = pod(json!({}));
+        let status = whole.status.as_mut().unwrap();
+        status.pod_ips = None;
+        status.phase = Some("Failed".into());
+        let cached = CachedPod::from(whole);
+        assert_eq!(cached.ips, vec!["10.0.0.5".parse::<IpAddr>().unwrap()]);
+        assert!(cached.terminal);
     }
 
     #[test]
     fn a_sidecar_pod_is_cached_whole_but_for_managed_fields() {
-        let (whole, cached) = whole_and_cached(json!({"sidecar.istio.io/status": "{}"}));
+        let whole = pod(json!({"sidecar.istio.io/status": "{}"}));
+        let cached = CachedPod::from(whole.clone()).sidecar_pod().unwrap();
+        assert!(cached.metadata.managed_fields.is_none());
+        assert_eq!(cached.metadata.labels, whole.metadata.labels);
         assert_eq!(cached.spec, whole.spec);
         assert_eq!(cached.status, whole.status);
     }

@@ -13,12 +13,11 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use k8s_openapi::api::core::v1::Pod;
 
 use cni_core::cmdadd::{CmdAddRequest, CmdAddResponse};
 use cni_core::reconcile::{Eligibility, Scope, eligibility};
 
-use super::cluster::{Annotator, Cluster, SharedCache, facts};
+use super::cluster::{Annotator, CachedPod, Cluster, SharedCache, facts};
 use super::mesh::Mesh;
 use super::reconciler::Policy;
 use crate::metrics::{ResponseCodeLabel, observe};
@@ -43,7 +42,7 @@ async fn find_pod(
     api: &Annotator,
     namespace: &str,
     name: &str,
-) -> Result<(Arc<Pod>, Labels), String> {
+) -> Result<(Arc<CachedPod>, Labels), String> {
     let key = (namespace.to_string(), name.to_string());
     let started = tokio::time::Instant::now();
     let deadline = started + CACHE_WAIT;
@@ -81,14 +80,16 @@ async fn find_pod(
     // Into the cache unless the watch got there first: a pod the watch never delivered (it was
     // down) and that is deleted before it recovers would otherwise be missing from both the
     // cache and the relist, and its removal from the mesh would never happen.
-    let mut pod = pod;
-    super::cluster::trim_pod(&mut pod);
-    let pod = cache.insert_if_absent(Arc::new(pod));
+    let pod = cache.insert_if_absent(Arc::new(CachedPod::from(pod)));
     Ok((pod, labels))
 }
 
 impl CniServer {
-    async fn lookup(&self, namespace: &str, name: &str) -> Result<(Arc<Pod>, Eligibility), String> {
+    async fn lookup(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<(Arc<CachedPod>, Eligibility), String> {
         let (pod, labels) = find_pod(&self.cache, &self.annotator, namespace, name).await?;
         let scope = Scope {
             selectors: &self.policy.selectors,
@@ -99,7 +100,7 @@ impl CniServer {
         Ok((pod, why))
     }
 
-    async fn enroll(&self, pod: &Pod, req: &CmdAddRequest) -> Result<(), String> {
+    async fn enroll(&self, pod: &CachedPod, req: &CmdAddRequest) -> Result<(), String> {
         let ips: Vec<IpAddr> = req
             .ips
             .iter()
@@ -180,9 +181,18 @@ async fn v1_cmdadd(State(s): State<Arc<CniServer>>, body: Bytes) -> Response {
                         Ok(()) => Ok(CmdAddResponse::Enrolled),
                         Err(e) => Err(e),
                     },
-                    Eligibility::SidecarPod => Ok(CmdAddResponse::Sidecar {
-                        pod: serde_json::to_value(&*pod).unwrap_or_default(),
-                    }),
+                    // Kept whole by the same annotation that makes it a sidecar pod.
+                    Eligibility::SidecarPod => pod
+                        .sidecar_pod()
+                        .map(|whole| CmdAddResponse::Sidecar {
+                            pod: serde_json::to_value(whole).unwrap_or_default(),
+                        })
+                        .ok_or_else(|| {
+                            format!(
+                                "sidecar pod {}/{} was not cached whole",
+                                req.pod_namespace, req.pod_name
+                            )
+                        }),
                     other => Ok(CmdAddResponse::NotAmbient {
                         reason: other.to_string(),
                     }),
@@ -208,14 +218,14 @@ pub fn router(server: Arc<CniServer>) -> Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::Pod;
 
-    fn pod(namespace: &str, name: &str) -> Arc<Pod> {
-        Arc::new(
-            serde_json::from_value(serde_json::json!({
-                "metadata": {"namespace": namespace, "name": name, "uid": "u1"}
-            }))
-            .unwrap(),
-        )
+    fn pod(namespace: &str, name: &str) -> Arc<CachedPod> {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": namespace, "name": name, "uid": "u1"}
+        }))
+        .unwrap();
+        Arc::new(pod.into())
     }
 
     /// An API client that can never answer: a lookup that succeeds did not use it.

@@ -24,8 +24,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use k8s_openapi::api::core::v1::Pod;
-
 use cni_core::reconcile::Redirection;
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::overrides::inpod_config;
@@ -33,7 +31,7 @@ use cni_core::zds::WorkloadInfo;
 use dataplane::inpod::RuleState;
 use dataplane::netns::Netns;
 
-use super::cluster::Annotator;
+use super::cluster::{Annotator, CachedPod};
 use crate::metrics::{BackendLabel, Metrics, observe};
 use crate::netns_cache::NetnsCache;
 use crate::procfs::{
@@ -218,7 +216,7 @@ impl PodLocks {
     }
 }
 
-fn name(pod: &Pod) -> String {
+fn name(pod: &CachedPod) -> String {
     format!(
         "{}/{}",
         pod.metadata.namespace.as_deref().unwrap_or_default(),
@@ -226,21 +224,17 @@ fn name(pod: &Pod) -> String {
     )
 }
 
-pub fn workload_info(pod: &Pod) -> WorkloadInfo {
+pub fn workload_info(pod: &CachedPod) -> WorkloadInfo {
     WorkloadInfo {
         name: pod.metadata.name.clone().unwrap_or_default(),
         namespace: pod.metadata.namespace.clone().unwrap_or_default(),
-        service_account: pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.service_account_name.clone())
-            .unwrap_or_default(),
+        service_account: pod.service_account.clone().unwrap_or_default(),
     }
 }
 
 impl Mesh {
     /// The rule configuration for this pod: node settings plus its annotations.
-    pub fn pod_config(&self, pod: &Pod) -> Result<InpodConfig, MeshError> {
+    pub fn pod_config(&self, pod: &CachedPod) -> Result<InpodConfig, MeshError> {
         let annotations = pod.metadata.annotations.clone().unwrap_or_default();
         let (cfg, ignored) = inpod_config(
             &self.global,
@@ -259,7 +253,7 @@ impl Mesh {
     /// Enrolls a pod. `netns_path` is `CNI_NETNS` on the CNI path, `None` on the informer path.
     pub async fn add(
         &self,
-        pod: &Pod,
+        pod: &CachedPod,
         ips: &[IpAddr],
         netns_path: Option<&str>,
     ) -> Result<(), MeshError> {
@@ -289,7 +283,7 @@ impl Mesh {
     /// as before), so a failed ADD never leaves `enabled` behind that it did not find.
     async fn add_locked(
         &self,
-        pod: &Pod,
+        pod: &CachedPod,
         uid: &str,
         ips: &[IpAddr],
         netns_path: Option<&str>,
@@ -376,7 +370,7 @@ impl Mesh {
     /// entry is taken out again: a pod that is not enrolled gets no probe SNAT.
     async fn redirect(
         &self,
-        pod: &Pod,
+        pod: &CachedPod,
         uid: &str,
         pod_name: &str,
         cfg: &InpodConfig,
@@ -424,7 +418,7 @@ impl Mesh {
     /// Netns, routes + rules, ZDS Add and its ack; returns when the first three finished.
     async fn rules_and_ack(
         &self,
-        pod: &Pod,
+        pod: &CachedPod,
         uid: &str,
         pod_name: &str,
         cfg: &InpodConfig,
@@ -479,7 +473,7 @@ impl Mesh {
     /// Adds the pod's IPs to the host probe set.
     pub async fn upsert_probe_ips(
         &self,
-        pod: &Pod,
+        pod: &CachedPod,
         uid: &str,
         ips: &[IpAddr],
     ) -> Result<(), MeshError> {
@@ -559,7 +553,7 @@ impl Mesh {
     }
 
     /// Keeps `pod` for ztunnel without a namespace, as the restore does.
-    pub fn keep(&self, pod: &Pod) {
+    pub fn keep(&self, pod: &CachedPod) {
         if let Some(uid) = pod.metadata.uid.as_deref() {
             self.cache.ensure_with(uid, workload_info(pod));
         }
@@ -569,7 +563,7 @@ impl Mesh {
     /// annotation errors are not reported).
     pub async fn remove(
         &self,
-        pod: &Pod,
+        pod: &CachedPod,
         ips: &[IpAddr],
         is_delete: bool,
     ) -> Result<(), MeshError> {
@@ -642,7 +636,12 @@ impl Mesh {
     /// verified and repaired where they drifted. Pods whose namespace is not found stay in the
     /// cache without one, so ztunnel is told to keep them rather than drop them. A pod found in
     /// `prechecked` as it is listed (its IPs there, the node's settings) is not checked again.
-    pub async fn restore(&self, pods: &[Arc<Pod>], reconcile: bool, mut prechecked: Prechecks) {
+    pub async fn restore(
+        &self,
+        pods: &[Arc<CachedPod>],
+        reconcile: bool,
+        mut prechecked: Prechecks,
+    ) {
         let mut keep = HashSet::new();
         let mut complete = true;
         let mut wanted = HashMap::new();
@@ -758,7 +757,7 @@ impl Mesh {
     async fn restore_hinted(
         &self,
         uid: &str,
-        pod: &Pod,
+        pod: &CachedPod,
         wanted: &WantedPod,
         reconcile: bool,
         prechecked: Option<Prechecked>,
@@ -805,7 +804,7 @@ impl Mesh {
     async fn restore_prechecked(
         &self,
         uid: &str,
-        pod: &Pod,
+        pod: &CachedPod,
         wanted: &WantedPod,
         reconcile: bool,
         pre: Prechecked,
@@ -893,7 +892,7 @@ impl Mesh {
     /// repaired where they drifted; either way a pod still redirected by the backend used before a
     /// switch is repaired (left alone it would keep redirecting after it leaves the mesh). Returns
     /// how many pods were repaired.
-    pub async fn check_restored(&self, pods: &[Arc<Pod>], reconcile: bool) -> usize {
+    pub async fn check_restored(&self, pods: &[Arc<CachedPod>], reconcile: bool) -> usize {
         if reconcile {
             self.repair_drift(pods).await
         } else {
@@ -904,13 +903,13 @@ impl Mesh {
     /// Verifies the rules of every enrolled pod the agent holds a namespace for and re-applies
     /// them where they drifted (someone flushed a table, a rule was deleted or added). Returns how
     /// many pods were repaired.
-    pub async fn repair_drift(&self, pods: &[Arc<Pod>]) -> usize {
+    pub async fn repair_drift(&self, pods: &[Arc<CachedPod>]) -> usize {
         self.repair_where(pods, false).await
     }
 
     /// [`repair_drift`](Self::repair_drift); with `leftovers_only`, only of the pods that hold
     /// the previous backend's rules.
-    async fn repair_where(&self, pods: &[Arc<Pod>], leftovers_only: bool) -> usize {
+    async fn repair_where(&self, pods: &[Arc<CachedPod>], leftovers_only: bool) -> usize {
         use futures::StreamExt;
         // Futures collected first: a closure inside the stream would make the whole reconciler
         // future lose `Send` (a known higher-ranked lifetime limit).
@@ -925,7 +924,7 @@ impl Mesh {
         results.into_iter().filter(|repaired| *repaired).count()
     }
 
-    async fn repair_one(&self, pod: &Arc<Pod>, leftovers_only: bool) -> bool {
+    async fn repair_one(&self, pod: &Arc<CachedPod>, leftovers_only: bool) -> bool {
         let Some(uid) = pod.metadata.uid.as_deref() else {
             return false;
         };
@@ -946,7 +945,7 @@ impl Mesh {
     }
 
     /// Logs and counts what [`check_and_repair`] found; returns whether the pod was repaired.
-    fn report_repair(&self, pod: &Pod, result: Result<Option<RuleState>, BoxError>) -> bool {
+    fn report_repair(&self, pod: &CachedPod, result: Result<Option<RuleState>, BoxError>) -> bool {
         match result {
             Ok(None) => false,
             Ok(Some(was)) => {
@@ -1056,7 +1055,7 @@ pub async fn on_thread<T: Send + 'static>(
 /// the kernel's waits, few enough not to starve CNI ADDs on a small node.
 const PARALLEL_NETNS_WORK: usize = 8;
 
-fn ns_name(pod: &Pod) -> (&str, &str) {
+fn ns_name(pod: &CachedPod) -> (&str, &str) {
     (
         pod.metadata.namespace.as_deref().unwrap_or_default(),
         pod.metadata.name.as_deref().unwrap_or_default(),

@@ -5,13 +5,12 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
 use tokio::sync::mpsc;
 
 use cni_core::enroll::CompiledSelectors;
 use cni_core::reconcile::{Action, Scope, on_delete, on_update};
 
-use super::cluster::{ClusterEvent, PodKey, SharedCache, facts, pod_key};
+use super::cluster::{CachedPod, ClusterEvent, PodKey, SharedCache, facts, pod_key};
 use super::mesh::{Mesh, Prechecks};
 use crate::metrics::{TypeLabel, observe};
 
@@ -24,7 +23,7 @@ pub struct Policy {
 }
 
 impl Policy {
-    pub fn is_ztunnel(&self, pod: &Pod) -> bool {
+    pub fn is_ztunnel(&self, pod: &CachedPod) -> bool {
         pod.metadata.namespace.as_deref() == Some(self.system_namespace.as_str())
             && pod
                 .metadata
@@ -69,7 +68,7 @@ impl Reconciler {
                 // step below reconciles every cached pod instead.
                 if let ClusterEvent::Synced = event {
                     synced = true;
-                    let pods: Vec<Arc<Pod>> =
+                    let pods: Vec<Arc<CachedPod>> =
                         self.cache.read().unwrap().pods.values().cloned().collect();
                     // Pods deleted while no agent ran were never seen going.
                     let uids = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
@@ -149,7 +148,7 @@ impl Reconciler {
             ClusterEvent::Synced => Ok(false),
             ClusterEvent::PreviousAgentExited => {
                 // Before the restore this event is dropped: the restore comes after the exit.
-                let pods: Vec<Arc<Pod>> =
+                let pods: Vec<Arc<CachedPod>> =
                     self.cache.read().unwrap().pods.values().cloned().collect();
                 let enrolled = self.enrolled(&pods);
                 let repaired = self
@@ -170,7 +169,7 @@ impl Reconciler {
                 if s.matches_namespace(old) == s.matches_namespace(new) {
                     return Ok(false);
                 }
-                let pods: Vec<Arc<Pod>> = self
+                let pods: Vec<Arc<CachedPod>> = self
                     .cache
                     .read()
                     .unwrap()
@@ -305,7 +304,7 @@ impl Reconciler {
     /// agent gave it.
     async fn enrolled_elsewhere(
         &self,
-        pod: &Pod,
+        pod: &CachedPod,
         f: &cni_core::reconcile::PodFacts,
         ip_appeared: bool,
         scope: &Scope<'_>,
@@ -336,7 +335,7 @@ impl Reconciler {
     }
 
     /// The pods this agent's restore and handover take over: enrolled, running, not ztunnel.
-    fn enrolled(&self, pods: &[Arc<Pod>]) -> Vec<Arc<Pod>> {
+    fn enrolled(&self, pods: &[Arc<CachedPod>]) -> Vec<Arc<CachedPod>> {
         pods.iter()
             .filter(|p| {
                 let f = facts(p);

@@ -76,7 +76,7 @@ impl InPlaceRepair {
 
     /// Programs the redirection in `pod`'s namespace. Re-applying an unchanged pod is a no-op.
     pub async fn repair(&self, pod: &Pod) -> Result<(), InPlaceError> {
-        let ips = crate::ambient::cluster::facts(pod).ips;
+        let ips = crate::ambient::cluster::pod_ips(pod.status.as_ref());
         let object = serde_json::to_value(pod).map_err(|e| InPlaceError::Task(e.to_string()))?;
         let cfg = match detect(&object, has_ipv6(ips.iter().copied()))? {
             Detection::Sidecar(cfg) => cfg,

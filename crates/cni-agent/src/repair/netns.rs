@@ -38,7 +38,7 @@ pub struct PodNetnsFinder {
 impl PodNetnsFinder {
     pub async fn find(&self, pod: &Pod) -> Result<Netns, FindError> {
         let uid = pod.metadata.uid.clone().ok_or(FindError::NoUid)?;
-        let ips = crate::ambient::cluster::facts(pod).ips;
+        let ips = crate::ambient::cluster::pod_ips(pod.status.as_ref());
         if ips.is_empty() {
             return Err(FindError::NoIps);
         }
