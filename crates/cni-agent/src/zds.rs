@@ -26,7 +26,7 @@ use cni_core::zds::{CodecError, SessionError, WorkloadInfo, WorkloadRequest, enc
 use dataplane::netns::Netns;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 pub use server::ZdsServer;
 
@@ -127,6 +127,8 @@ pub(crate) struct Shared {
     pub(crate) conns: Mutex<Vec<ConnSlot>>,
     pub(crate) next_id: AtomicU64,
     pub(crate) serving: AtomicBool,
+    /// Rung when a connection is admitted, for Adds waiting for a ztunnel.
+    pub(crate) admitted: Notify,
     pub(crate) metrics: ZdsMetrics,
     pub(crate) queue_capacity: usize,
 }
@@ -147,26 +149,43 @@ pub struct ZdsHandle {
 
 impl ZdsHandle {
     /// Sends `AddWorkload` with the pod's netns to the newest ztunnel and waits for its ack.
+    /// With no ztunnel connected, waits up to `wait` for one to connect (a ztunnel restarting,
+    /// or reconnecting to a restarted agent, is back within about a second).
     ///
     /// Record the pod in the [`NetnsCache`](crate::netns_cache::NetnsCache) *before* calling:
-    /// a ztunnel that connects meanwhile then gets the pod either in its snapshot or through
-    /// this request, never in neither.
+    /// a ztunnel that connects meanwhile then gets the pod in its snapshot, this request, or
+    /// both (ztunnel acks an Add of a pod it already runs in the same netns), never in neither.
+    /// The explicit Add is what tells us whether ztunnel accepted the pod: snapshot nacks are
+    /// only logged.
     pub async fn pod_added(
         &self,
         uid: &str,
         workload: WorkloadInfo,
         netns: &Netns,
+        wait: Duration,
     ) -> Result<(), ZdsError> {
         let msg = WorkloadRequest::add(uid, workload);
         encode_request(&msg)?;
         let fd = netns.try_clone().map_err(ZdsError::DupFd)?;
-        let tx = self
-            .shared
-            .conns()
-            .last()
-            .map(|c| c.tx.clone())
-            .ok_or(ZdsError::NoConnection)?;
+        let tx = self.newest(wait).await?;
         Self::request(tx, msg, Some(fd)).await
+    }
+
+    /// The newest connection's queue, waiting up to `wait` for a ztunnel to connect.
+    async fn newest(&self, wait: Duration) -> Result<mpsc::Sender<Request>, ZdsError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Armed before looking, so a connection admitted in between wakes us.
+            let admitted = self.shared.admitted.notified();
+            tokio::pin!(admitted);
+            admitted.as_mut().enable();
+            if let Some(conn) = self.shared.conns().last() {
+                return Ok(conn.tx.clone());
+            }
+            if tokio::time::timeout_at(deadline, admitted).await.is_err() {
+                return Err(ZdsError::NoConnection);
+            }
+        }
     }
 
     /// Sends `DelWorkload` to every connected ztunnel and waits for all of them.

@@ -250,7 +250,10 @@ impl Zds {
         let info = WorkloadInfo::new(uid, "default", "sa");
         self.cache
             .upsert(uid, info.clone(), me.try_clone().unwrap());
-        self.zds.pod_added(uid, info, &me).await.unwrap();
+        self.zds
+            .pod_added(uid, info, &me, Duration::ZERO)
+            .await
+            .unwrap();
     }
 }
 

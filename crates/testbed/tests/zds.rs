@@ -75,7 +75,9 @@ impl Agent {
     async fn add(&self, uid: &str, netns: &Netns) -> Result<(), ZdsError> {
         self.cache
             .upsert(uid, info(uid), netns.try_clone().unwrap());
-        self.zds.pod_added(uid, info(uid), netns).await
+        self.zds
+            .pod_added(uid, info(uid), netns, Duration::ZERO)
+            .await
     }
 
     async fn shutdown(mut self) {
@@ -247,6 +249,34 @@ async fn peer_starts_in_pod_listeners_and_drains_them_on_del() {
     agent.shutdown().await;
 }
 
+/// An Add with nobody connected waits for a ztunnel (one restarting, or reconnecting to a
+/// restarted agent) as long as it is told to. The pod, cached first, is in the new connection's
+/// snapshot and in the explicit Add after it, which ztunnel acks as the pod it already runs: that
+/// ack, not the snapshot's, says whether ztunnel took the pod.
+#[tokio::test]
+async fn an_add_waits_for_a_ztunnel_to_connect() {
+    let agent = Agent::start();
+    let me = Netns::current().unwrap();
+    agent
+        .cache
+        .upsert("early", info("early"), me.try_clone().unwrap());
+    let zds = agent.zds.clone();
+    let add =
+        tokio::spawn(async move { zds.pod_added("early", info("early"), &me, WAIT * 2).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!add.is_finished(), "the add did not wait for a ztunnel");
+    let peer = agent.peer();
+    add.await
+        .unwrap()
+        .expect("acked by the ztunnel that connected");
+    let st = peer.status();
+    assert_eq!(st.workloads["early"].state, WorkloadState::Up);
+    let pos = |e: &str| st.log.iter().rposition(|l| l == e);
+    assert_eq!(logged(&st, "add early"), 2, "{:?}", st.log);
+    assert!(pos("snapshot_sent") < pos("add early"), "{:?}", st.log);
+    agent.shutdown().await;
+}
+
 #[tokio::test]
 async fn no_connection_is_an_error() {
     let agent = Agent::start();
@@ -256,6 +286,17 @@ async fn no_connection_is_an_error() {
         .unwrap_err();
     assert!(matches!(err, ZdsError::NoConnection), "{err}");
     assert_eq!(err.to_string(), "no ztunnel connection");
+    let waited = agent
+        .zds
+        .pod_added(
+            "u",
+            info("u"),
+            &Netns::current().unwrap(),
+            Duration::from_millis(50),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(waited, ZdsError::NoConnection), "{waited}");
     agent
         .zds
         .pod_deleted("u")

@@ -22,7 +22,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cni_core::reconcile::Redirection;
 use cni_core::redirect::InpodConfig;
@@ -461,7 +461,15 @@ impl Mesh {
             applied - resolved,
         );
 
-        if let Err(source) = self.zds.pod_added(&uid, workload, &netns).await {
+        // Without ztunnel, the sandbox of a CNI ADD fails and waits for the runtime's retry,
+        // seconds later: it waits for a ztunnel to connect instead. The informer path does not
+        // hold its pod's lock that long; its failure is retried with the reconciler's backoff.
+        let wait = if netns_path.is_some() {
+            ZTUNNEL_WAIT
+        } else {
+            Duration::ZERO
+        };
+        if let Err(source) = self.zds.pod_added(&uid, workload, &netns, wait).await {
             return Err(MeshError::Ztunnel {
                 pod: pod_name.to_string(),
                 source,
@@ -1054,6 +1062,10 @@ pub async fn on_thread<T: Send + 'static>(
 /// Pods whose namespaces are checked at once (startup restore, drift checks): enough to overlap
 /// the kernel's waits, few enough not to starve CNI ADDs on a small node.
 const PARALLEL_NETNS_WORK: usize = 8;
+
+/// How long a CNI ADD waits for a ztunnel to connect: ztunnel reconnects to a restarted agent
+/// within about a second (its backoff doubles from 20 ms), and the plugin gives the whole ADD 5 s.
+const ZTUNNEL_WAIT: Duration = Duration::from_secs(3);
 
 fn ns_name(pod: &CachedPod) -> (&str, &str) {
     (

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinSet;
 use tokio_seqpacket::{UnixSeqpacket, UnixSeqpacketListener};
 
@@ -107,6 +107,7 @@ impl ZdsServer {
             conns: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             serving: AtomicBool::new(false),
+            admitted: Notify::new(),
             metrics,
             queue_capacity: cfg.queue_capacity.max(1),
         });
@@ -179,6 +180,7 @@ impl ZdsServer {
             synced: synced.clone(),
         });
         self.shared.metrics.ztunnel_connected.inc();
+        self.shared.admitted.notify_waiters();
         tracing::info!(conn = id, pid = ?cred.pid(), "ztunnel connected");
         let ctx = conn::Conn {
             id,
