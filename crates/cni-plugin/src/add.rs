@@ -6,8 +6,9 @@
 //! excluded namespaces pass → with ambient enabled, ask the agent (`POST /v1/cmdadd`).
 //!
 //! When the agent cannot answer, the plugin asks the API server itself: a pod that is not ambient
-//! starts (non-mesh workloads keep running while the agent restarts), an ambient pod fails the ADD
-//! (the runtime retries the sandbox until the agent is back), and a failed lookup fails the ADD.
+//! starts (non-mesh workloads keep running while the agent restarts), an ambient pod waits up to
+//! [`agent::RESTART_WAIT`] for an agent to listen again and then fails the ADD (the runtime retries
+//! the sandbox until the agent is back), and a failed lookup fails the ADD.
 //! An Istio agent (404 on `/v1/cmdadd`) gets Istio's flow: API lookup, then `POST /cmdadd`.
 //!
 //! Sidecar pods (the agent's `sidecar` decision, or a pod read from the API server when the agent
@@ -27,6 +28,7 @@ use cni_core::enroll::{CompiledSelectors, PodView, labels_from_json};
 use cni_core::plugin_conf::PluginConf;
 
 use crate::agent::{self, AgentError};
+use crate::http::Response;
 use crate::kube::{ApiClient, Kubeconfig};
 use crate::log::Log;
 use crate::sidecar;
@@ -105,13 +107,21 @@ impl Ambient<'_> {
     }
 
     fn run(&mut self) -> Result<(), CniError> {
+        match self.post(Duration::ZERO) {
+            Err(AgentError::Unreachable { reason, .. }) => self.agent_down(&reason),
+            answer => self.answered(answer),
+        }
+    }
+
+    fn post(&self, wait: Duration) -> Result<Response, AgentError> {
         let socket = self.conf.run_dir().join(EVENT_SOCKET);
-        match agent::post(
-            &socket,
-            V1_CMDADD_PATH,
-            &self.req.to_v1_json(),
-            agent::TIMEOUT,
-        ) {
+        let body = self.req.to_v1_json();
+        agent::post_waiting(&socket, V1_CMDADD_PATH, &body, agent::TIMEOUT, wait)
+    }
+
+    /// Acts on the agent's decision.
+    fn answered(&mut self, answer: Result<Response, AgentError>) -> Result<(), CniError> {
+        match answer {
             Ok(resp) if resp.status == 200 => {
                 let decision: CmdAddResponse = serde_json::from_slice(&resp.body).map_err(|e| {
                     CniError::internal(format!(
@@ -144,22 +154,29 @@ impl Ambient<'_> {
                 resp.status,
                 resp.text()
             ))),
-            Err(AgentError::Unreachable { reason, .. }) => self.agent_down(&reason),
-            Err(e @ AgentError::Protocol { .. }) => Err(CniError::internal(e.to_string())),
+            Err(e) => Err(CniError::internal(e.to_string())),
         }
     }
 
-    /// The agent is down. Only the API server can tell whether this pod may start without it.
+    /// The agent is down. Only the API server can tell whether this pod may start without it; an
+    /// ambient pod waits a little for an agent to listen again (a restart or an upgrade), where
+    /// Istio fails the ADD at once and the pod waits for the runtime's retry.
     fn agent_down(&mut self, cause: &str) -> Result<(), CniError> {
         self.log.warn(
             "istio-cni agent unreachable, asking the API server",
             &[("cause", cause)],
         );
         match self.is_ambient() {
-            Ok((true, _)) => Err(CniError::internal(format!(
-                "agent unreachable: refusing to start ambient pod {} unredirected: {cause}",
-                self.pod()
-            ))),
+            Ok((true, _)) => match self.post(agent::RESTART_WAIT) {
+                Err(AgentError::Unreachable { reason, .. }) => Err(CniError::internal(format!(
+                    "agent unreachable: refusing to start ambient pod {} unredirected: {reason}",
+                    self.pod()
+                ))),
+                answer => {
+                    self.log.info("istio-cni agent reachable again", &[]);
+                    self.answered(answer)
+                }
+            },
             Ok((false, pod)) => {
                 self.log.info("agent unreachable; pod is not ambient", &[]);
                 self.sidecar(&pod)

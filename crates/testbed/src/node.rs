@@ -232,7 +232,7 @@ pub struct TestPod {
 
 impl TestPod {
     /// The pod's sandbox as the runtime hands it to the CNI chain.
-    fn sandbox(&self) -> Sandbox {
+    pub fn sandbox(&self) -> Sandbox {
         Sandbox::k8s(
             &self.container_id,
             self.netns.path(),

@@ -196,6 +196,45 @@ async fn agent_down_fails_closed_for_ambient_pods_only() {
     plain.expect("a non-mesh pod starts while the agent is down");
 }
 
+/// An ambient pod whose ADD comes while the agent restarts (a crash, an upgrade) waits for the next
+/// agent instead of failing: the runtime would retry the sandbox only seconds later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ambient_add_waits_for_a_restarting_agent() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Nftables).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let mut pod = node.create_pod_object("mesh", "patient", &[]).await;
+    let prev = node.sandbox_add_primary(&pod).await.unwrap();
+    node.kill_agent();
+
+    let (runtime, sandbox) = (node.runtime(), pod.sandbox());
+    let add = std::thread::spawn(move || {
+        let ours = runtime
+            .position("istio-cni")
+            .expect("our plugin is chained");
+        runtime
+            .add_plugins(
+                &sandbox,
+                ours..runtime.plugin_count(),
+                Some(prev),
+                &mut |_| {},
+            )
+            .map_err(|e| e.to_string())
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!add.is_finished(), "the ADD did not wait for the agent");
+    node.start_agent();
+    let result = add
+        .join()
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
+        .expect("prev is passed through");
+    node.report_running(&mut pod, &result).await;
+    node.wait_redirection(&pod, Some("enabled")).await;
+    assert_pod_redirected_by(&pod, Backend::Nftables);
+}
+
 fn fast_peer(node: &TestNode) -> ZdsPeer {
     ZdsPeer::start(fast_peer_config(node))
 }
