@@ -475,12 +475,18 @@ async fn drifted_rules_are_repaired_and_explained() {
         iptables_rules(&pod.netns).matches("ISTIO_OUTPUT").count(),
         before.matches("ISTIO_OUTPUT").count()
     );
-    assert!(
-        node.metrics()
-            .contains("istio_cni_drift_repairs_total{backend=\"iptables\"} 1"),
-        "{}",
-        node.metrics()
-    );
+    // The repair is counted just after its rules are written: on a loaded machine the rules can
+    // be seen first.
+    let counted = "istio_cni_drift_repairs_total{backend=\"iptables\"}";
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let metrics = loop {
+        let metrics = node.metrics();
+        if metrics.contains(counted) || std::time::Instant::now() > deadline {
+            break metrics;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(metrics.contains(&format!("{counted} 1\n")), "{metrics}");
 
     let (plain, result) = node.create_pod("plain", "web", &[]).await;
     result.unwrap();
