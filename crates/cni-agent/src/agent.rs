@@ -286,10 +286,7 @@ fn spawn_drift_checks(
                 .unwrap()
                 .pods
                 .values()
-                .filter(|p| {
-                    crate::ambient::cluster::facts(p).redirection()
-                        == cni_core::reconcile::Redirection::Enabled
-                })
+                .filter(|p| p.redirection() == cni_core::reconcile::Redirection::Enabled)
                 .cloned()
                 .collect();
             mesh.repair_drift(&enrolled).await;

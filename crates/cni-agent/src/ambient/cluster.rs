@@ -178,6 +178,15 @@ pub fn pod_ips(status: Option<&PodStatus>) -> Vec<IpAddr> {
 }
 
 impl CachedPod {
+    /// The state its `ambient.istio.io/redirection` annotation records (without the map copies
+    /// of [`facts`], for the walks over every cached pod).
+    pub fn redirection(&self) -> Redirection {
+        self.metadata
+            .annotations
+            .as_ref()
+            .map_or(Redirection::Absent, Redirection::of)
+    }
+
     /// The pod as the API server sent it (without `managedFields`), for sidecar pods: the only
     /// ones kept whole.
     pub fn sidecar_pod(&self) -> Option<Pod> {

@@ -291,12 +291,7 @@ impl Mesh {
         let pod_name = name(pod);
         let cfg = self.pod_config(pod)?;
         let (namespace, pod_only) = ns_name(pod);
-        let previous = pod
-            .metadata
-            .annotations
-            .as_ref()
-            .map(Redirection::of)
-            .unwrap_or(Redirection::Absent);
+        let previous = pod.redirection();
 
         let began = Instant::now();
         let annotate = async {

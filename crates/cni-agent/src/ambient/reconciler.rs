@@ -338,10 +338,9 @@ impl Reconciler {
     fn enrolled(&self, pods: &[Arc<CachedPod>]) -> Vec<Arc<CachedPod>> {
         pods.iter()
             .filter(|p| {
-                let f = facts(p);
                 !self.policy.is_ztunnel(p)
-                    && !f.terminal
-                    && f.redirection() == cni_core::reconcile::Redirection::Enabled
+                    && !p.terminal
+                    && p.redirection() == cni_core::reconcile::Redirection::Enabled
             })
             .cloned()
             .collect()
