@@ -127,7 +127,7 @@ pub(crate) struct Shared {
     pub(crate) conns: Mutex<Vec<ConnSlot>>,
     pub(crate) next_id: AtomicU64,
     pub(crate) serving: AtomicBool,
-    /// Rung when a connection is admitted, for Adds waiting for a ztunnel.
+    /// Rung when a connection is admitted, for [`ZdsHandle::wait_connected`].
     pub(crate) admitted: Notify,
     pub(crate) metrics: ZdsMetrics,
     pub(crate) queue_capacity: usize,
@@ -149,38 +149,39 @@ pub struct ZdsHandle {
 
 impl ZdsHandle {
     /// Sends `AddWorkload` with the pod's netns to the newest ztunnel and waits for its ack.
-    /// With no ztunnel connected, waits up to `wait` for one to connect (a ztunnel restarting,
-    /// or reconnecting to a restarted agent, is back within about a second).
     ///
     /// Record the pod in the [`NetnsCache`](crate::netns_cache::NetnsCache) *before* calling:
-    /// a ztunnel that connects meanwhile then gets the pod in its snapshot, this request, or
-    /// both (ztunnel acks an Add of a pod it already runs in the same netns), never in neither.
-    /// The explicit Add is what tells us whether ztunnel accepted the pod: snapshot nacks are
-    /// only logged.
+    /// a ztunnel that connects meanwhile then gets the pod either in its snapshot or through
+    /// this request, never in neither.
     pub async fn pod_added(
         &self,
         uid: &str,
         workload: WorkloadInfo,
         netns: &Netns,
-        wait: Duration,
     ) -> Result<(), ZdsError> {
         let msg = WorkloadRequest::add(uid, workload);
         encode_request(&msg)?;
         let fd = netns.try_clone().map_err(ZdsError::DupFd)?;
-        let tx = self.newest(wait).await?;
+        let tx = self
+            .shared
+            .conns()
+            .last()
+            .map(|c| c.tx.clone())
+            .ok_or(ZdsError::NoConnection)?;
         Self::request(tx, msg, Some(fd)).await
     }
 
-    /// The newest connection's queue, waiting up to `wait` for a ztunnel to connect.
-    async fn newest(&self, wait: Duration) -> Result<mpsc::Sender<Request>, ZdsError> {
+    /// Returns once a ztunnel is connected, waiting up to `wait` for one (a ztunnel restarting,
+    /// or reconnecting to a restarted agent, is back within about a second).
+    pub async fn wait_connected(&self, wait: Duration) -> Result<(), ZdsError> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             // Armed before looking, so a connection admitted in between wakes us.
             let admitted = self.shared.admitted.notified();
             tokio::pin!(admitted);
             admitted.as_mut().enable();
-            if let Some(conn) = self.shared.conns().last() {
-                return Ok(conn.tx.clone());
+            if !self.shared.conns().is_empty() {
+                return Ok(());
             }
             if tokio::time::timeout_at(deadline, admitted).await.is_err() {
                 return Err(ZdsError::NoConnection);

@@ -48,7 +48,7 @@ async fn main() {
         tokio::task::yield_now().await;
     }
     for i in 0..200 {
-        zds.pod_added(&format!("warm-{i}"), info(i), &netns, Duration::ZERO)
+        zds.pod_added(&format!("warm-{i}"), info(i), &netns)
             .await
             .unwrap();
     }
@@ -56,9 +56,7 @@ async fn main() {
     for i in 0..5000 {
         let uid = format!("uid-{i}");
         let started = Instant::now();
-        zds.pod_added(&uid, info(i), &netns, Duration::ZERO)
-            .await
-            .unwrap();
+        zds.pod_added(&uid, info(i), &netns).await.unwrap();
         samples.push(started.elapsed());
     }
     report("add round trip (fd + ack)", samples);

@@ -250,10 +250,7 @@ impl Zds {
         let info = WorkloadInfo::new(uid, "default", "sa");
         self.cache
             .upsert(uid, info.clone(), me.try_clone().unwrap());
-        self.zds
-            .pod_added(uid, info, &me, Duration::ZERO)
-            .await
-            .unwrap();
+        self.zds.pod_added(uid, info, &me).await.unwrap();
     }
 }
 

@@ -235,6 +235,57 @@ async fn an_ambient_add_waits_for_a_restarting_agent() {
     assert_pod_redirected_by(&pod, Backend::Nftables);
 }
 
+/// An ambient pod whose ADD comes while no ztunnel is connected (ztunnel restarting, or not yet
+/// reconnected to a restarted agent) waits for one instead of failing, and is not annotated
+/// `enabled` while it waits. With no ztunnel at all the ADD fails closed, leaving `pending`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ambient_add_waits_for_ztunnel_and_fails_closed_without_it() {
+    dataplane::require_root!();
+    let node = TestNode::start(Backend::Nftables).await;
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let mut pod = node.create_pod_object("mesh", "patient", &[]).await;
+    let prev = node.sandbox_add_primary(&pod).await.unwrap();
+    let (runtime, sandbox) = (node.runtime(), pod.sandbox());
+    let add = std::thread::spawn(move || {
+        let ours = runtime
+            .position("istio-cni")
+            .expect("our plugin is chained");
+        runtime
+            .add_plugins(
+                &sandbox,
+                ours..runtime.plugin_count(),
+                Some(prev),
+                &mut |_| {},
+            )
+            .map_err(|e| e.to_string())
+    });
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(!add.is_finished(), "the ADD did not wait for ztunnel");
+    assert_ne!(node.redirection(&pod).await.as_deref(), Some("enabled"));
+    let peer = fast_peer(&node);
+    let result = add
+        .join()
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
+        .expect("prev is passed through");
+    node.report_running(&mut pod, &result).await;
+    node.wait_redirection(&pod, Some("enabled")).await;
+    assert_pod_redirected_by(&pod, Backend::Nftables);
+
+    drop(peer);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !node.metrics().lines().any(|l| l == "ztunnel_connected 0") {
+        assert!(std::time::Instant::now() < deadline, "{}", node.metrics());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (alone, result) = node.create_pod("mesh", "alone", &[]).await;
+    let err = result
+        .expect_err("an ambient pod must not start without ztunnel")
+        .to_string();
+    assert!(err.contains("no ztunnel connection"), "{err}");
+    assert_eq!(node.redirection(&alone).await.as_deref(), Some("pending"));
+}
+
 fn fast_peer(node: &TestNode) -> ZdsPeer {
     ZdsPeer::start(fast_peer_config(node))
 }

@@ -75,9 +75,7 @@ impl Agent {
     async fn add(&self, uid: &str, netns: &Netns) -> Result<(), ZdsError> {
         self.cache
             .upsert(uid, info(uid), netns.try_clone().unwrap());
-        self.zds
-            .pod_added(uid, info(uid), netns, Duration::ZERO)
-            .await
+        self.zds.pod_added(uid, info(uid), netns).await
     }
 
     async fn shutdown(mut self) {
@@ -249,31 +247,23 @@ async fn peer_starts_in_pod_listeners_and_drains_them_on_del() {
     agent.shutdown().await;
 }
 
-/// An Add with nobody connected waits for a ztunnel (one restarting, or reconnecting to a
-/// restarted agent) as long as it is told to. The pod, cached first, is in the new connection's
-/// snapshot and in the explicit Add after it, which ztunnel acks as the pod it already runs: that
-/// ack, not the snapshot's, says whether ztunnel took the pod.
+/// A CNI ADD with nobody connected waits for a ztunnel (one restarting, or reconnecting to a
+/// restarted agent) as long as it is told to, then sends its Add to it.
 #[tokio::test]
-async fn an_add_waits_for_a_ztunnel_to_connect() {
+async fn an_add_can_wait_for_a_ztunnel_to_connect() {
     let agent = Agent::start();
-    let me = Netns::current().unwrap();
-    agent
-        .cache
-        .upsert("early", info("early"), me.try_clone().unwrap());
     let zds = agent.zds.clone();
-    let add =
-        tokio::spawn(async move { zds.pod_added("early", info("early"), &me, WAIT * 2).await });
+    let waiting = tokio::spawn(async move { zds.wait_connected(WAIT * 2).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(!add.is_finished(), "the add did not wait for a ztunnel");
+    assert!(!waiting.is_finished(), "returned with no ztunnel connected");
     let peer = agent.peer();
-    add.await
-        .unwrap()
-        .expect("acked by the ztunnel that connected");
+    waiting.await.unwrap().expect("a ztunnel connected");
+    agent
+        .add("early", &Netns::current().unwrap())
+        .await
+        .unwrap();
     let st = peer.status();
     assert_eq!(st.workloads["early"].state, WorkloadState::Up);
-    let pos = |e: &str| st.log.iter().rposition(|l| l == e);
-    assert_eq!(logged(&st, "add early"), 2, "{:?}", st.log);
-    assert!(pos("snapshot_sent") < pos("add early"), "{:?}", st.log);
     agent.shutdown().await;
 }
 
@@ -288,12 +278,7 @@ async fn no_connection_is_an_error() {
     assert_eq!(err.to_string(), "no ztunnel connection");
     let waited = agent
         .zds
-        .pod_added(
-            "u",
-            info("u"),
-            &Netns::current().unwrap(),
-            Duration::from_millis(50),
-        )
+        .wait_connected(Duration::from_millis(50))
         .await
         .unwrap_err();
     assert!(matches!(waited, ZdsError::NoConnection), "{waited}");

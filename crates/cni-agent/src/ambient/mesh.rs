@@ -302,7 +302,22 @@ impl Mesh {
             (result, Instant::now())
         };
         let redirect = self.redirect(pod, uid, &pod_name, &cfg, ips, netns_path);
-        let ((annotated, annotated_at), redirected) = if netns_path.is_some() {
+        // Without ztunnel, the sandbox of a CNI ADD would fail and wait for the runtime's retry,
+        // seconds later: it waits for a ztunnel to connect instead, before the patch goes out (a
+        // pod must not show `enabled` while it waits). The informer path does not hold its pod's
+        // lock that long; its failure is retried with the reconciler's backoff.
+        let connected = match netns_path {
+            Some(_) => self.zds.wait_connected(ZTUNNEL_WAIT).await,
+            None => Ok(()),
+        };
+        let ((annotated, annotated_at), redirected) = if let Err(source) = connected {
+            drop((annotate, redirect));
+            let failed = MeshError::Ztunnel {
+                pod: pod_name.clone(),
+                source,
+            };
+            ((Ok(()), Instant::now()), Err(failed))
+        } else if netns_path.is_some() {
             // The sandbox of a CNI ADD cannot receive traffic before we answer (the kubelet
             // publishes its IP only after the ADD), so the patch may go out first.
             tokio::join!(annotate, redirect)
@@ -456,15 +471,7 @@ impl Mesh {
             applied - resolved,
         );
 
-        // Without ztunnel, the sandbox of a CNI ADD fails and waits for the runtime's retry,
-        // seconds later: it waits for a ztunnel to connect instead. The informer path does not
-        // hold its pod's lock that long; its failure is retried with the reconciler's backoff.
-        let wait = if netns_path.is_some() {
-            ZTUNNEL_WAIT
-        } else {
-            Duration::ZERO
-        };
-        if let Err(source) = self.zds.pod_added(&uid, workload, &netns, wait).await {
+        if let Err(source) = self.zds.pod_added(&uid, workload, &netns).await {
             return Err(MeshError::Ztunnel {
                 pod: pod_name.to_string(),
                 source,
