@@ -208,28 +208,11 @@ async fn an_ambient_add_waits_for_a_restarting_agent() {
     let prev = node.sandbox_add_primary(&pod).await.unwrap();
     node.kill_agent();
 
-    let (runtime, sandbox) = (node.runtime(), pod.sandbox());
-    let add = std::thread::spawn(move || {
-        let ours = runtime
-            .position("istio-cni")
-            .expect("our plugin is chained");
-        runtime
-            .add_plugins(
-                &sandbox,
-                ours..runtime.plugin_count(),
-                Some(prev),
-                &mut |_| {},
-            )
-            .map_err(|e| e.to_string())
-    });
+    let add = add_ours_in_background(&node, &pod, prev);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!add.is_finished(), "the ADD did not wait for the agent");
     node.start_agent();
-    let result = add
-        .join()
-        .unwrap()
-        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
-        .expect("prev is passed through");
+    let result = finished(add, &node);
     node.report_running(&mut pod, &result).await;
     node.wait_redirection(&pod, Some("enabled")).await;
     assert_pod_redirected_by(&pod, Backend::Nftables);
@@ -245,8 +228,35 @@ async fn an_ambient_add_waits_for_ztunnel_and_fails_closed_without_it() {
     node.create_namespace("mesh", &[AMBIENT]).await;
     let mut pod = node.create_pod_object("mesh", "patient", &[]).await;
     let prev = node.sandbox_add_primary(&pod).await.unwrap();
+    let add = add_ours_in_background(&node, &pod, prev);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(!add.is_finished(), "the ADD did not wait for ztunnel");
+    assert_ne!(node.redirection(&pod).await.as_deref(), Some("enabled"));
+    let peer = fast_peer(&node);
+    let result = finished(add, &node);
+    node.report_running(&mut pod, &result).await;
+    node.wait_redirection(&pod, Some("enabled")).await;
+    assert_pod_redirected_by(&pod, Backend::Nftables);
+
+    drop(peer);
+    let disconnected = |m: &str| m.lines().any(|l| l == "ztunnel_connected 0");
+    let metrics = metrics_once(&node, disconnected).await;
+    assert!(disconnected(&metrics), "{metrics}");
+    let (alone, result) = node.create_pod("mesh", "alone", &[]).await;
+    let err = result
+        .expect_err("an ambient pod must not start without ztunnel")
+        .to_string();
+    assert!(err.contains("no ztunnel connection"), "{err}");
+    assert_eq!(node.redirection(&alone).await.as_deref(), Some("pending"));
+}
+
+type PluginAdd = std::thread::JoinHandle<Result<Option<serde_json::Value>, String>>;
+
+/// Our plugin's part of the chain for `pod` (after the primary plugins' `prev`), on a thread as
+/// the runtime runs it, so the test can act while the ADD waits.
+fn add_ours_in_background(node: &TestNode, pod: &TestPod, prev: serde_json::Value) -> PluginAdd {
     let (runtime, sandbox) = (node.runtime(), pod.sandbox());
-    let add = std::thread::spawn(move || {
+    std::thread::spawn(move || {
         let ours = runtime
             .position("istio-cni")
             .expect("our plugin is chained");
@@ -258,32 +268,28 @@ async fn an_ambient_add_waits_for_ztunnel_and_fails_closed_without_it() {
                 &mut |_| {},
             )
             .map_err(|e| e.to_string())
-    });
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    assert!(!add.is_finished(), "the ADD did not wait for ztunnel");
-    assert_ne!(node.redirection(&pod).await.as_deref(), Some("enabled"));
-    let peer = fast_peer(&node);
-    let result = add
-        .join()
+    })
+}
+
+/// The result of a successful [`add_ours_in_background`].
+fn finished(add: PluginAdd, node: &TestNode) -> serde_json::Value {
+    add.join()
         .unwrap()
         .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
-        .expect("prev is passed through");
-    node.report_running(&mut pod, &result).await;
-    node.wait_redirection(&pod, Some("enabled")).await;
-    assert_pod_redirected_by(&pod, Backend::Nftables);
+        .expect("prev is passed through")
+}
 
-    drop(peer);
+/// The agent's metrics once `ready` holds for them, or as they are after 10 s: a metric is
+/// updated just after what it counts, so the test may see the effect first.
+async fn metrics_once(node: &TestNode, ready: impl Fn(&str) -> bool) -> String {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !node.metrics().lines().any(|l| l == "ztunnel_connected 0") {
-        assert!(std::time::Instant::now() < deadline, "{}", node.metrics());
+    loop {
+        let metrics = node.metrics();
+        if ready(&metrics) || std::time::Instant::now() > deadline {
+            return metrics;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let (alone, result) = node.create_pod("mesh", "alone", &[]).await;
-    let err = result
-        .expect_err("an ambient pod must not start without ztunnel")
-        .to_string();
-    assert!(err.contains("no ztunnel connection"), "{err}");
-    assert_eq!(node.redirection(&alone).await.as_deref(), Some("pending"));
 }
 
 fn fast_peer(node: &TestNode) -> ZdsPeer {
@@ -529,14 +535,7 @@ async fn drifted_rules_are_repaired_and_explained() {
     // The repair is counted just after its rules are written: on a loaded machine the rules can
     // be seen first.
     let counted = "istio_cni_drift_repairs_total{backend=\"iptables\"}";
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let metrics = loop {
-        let metrics = node.metrics();
-        if metrics.contains(counted) || std::time::Instant::now() > deadline {
-            break metrics;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let metrics = metrics_once(&node, |m| m.contains(counted)).await;
     assert!(metrics.contains(&format!("{counted} 1\n")), "{metrics}");
 
     let (plain, result) = node.create_pod("plain", "web", &[]).await;

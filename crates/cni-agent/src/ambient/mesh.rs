@@ -294,14 +294,6 @@ impl Mesh {
         let previous = pod.redirection();
 
         let began = Instant::now();
-        let annotate = async {
-            let result = self
-                .annotator
-                .set(namespace, pod_only, Redirection::Enabled)
-                .await;
-            (result, Instant::now())
-        };
-        let redirect = self.redirect(pod, uid, &pod_name, &cfg, ips, netns_path);
         // Without ztunnel, the sandbox of a CNI ADD would fail and wait for the runtime's retry,
         // seconds later: it waits for a ztunnel to connect instead, before the patch goes out (a
         // pod must not show `enabled` while it waits). The informer path does not hold its pod's
@@ -310,23 +302,35 @@ impl Mesh {
             Some(_) => self.zds.wait_connected(ZTUNNEL_WAIT).await,
             None => Ok(()),
         };
-        let ((annotated, annotated_at), redirected) = if let Err(source) = connected {
-            drop((annotate, redirect));
-            let failed = MeshError::Ztunnel {
-                pod: pod_name.clone(),
-                source,
-            };
-            ((Ok(()), Instant::now()), Err(failed))
-        } else if netns_path.is_some() {
-            // The sandbox of a CNI ADD cannot receive traffic before we answer (the kubelet
-            // publishes its IP only after the ADD), so the patch may go out first.
-            tokio::join!(annotate, redirect)
-        } else {
-            // A running pod enrolled by the informer path would be sent HBONE before it is
-            // redirected: the annotation follows the redirection, as always.
-            match redirect.await {
-                Ok(stages) => (annotate.await, Ok(stages)),
-                Err(failed) => ((Ok(()), Instant::now()), Err(failed)),
+        let ((annotated, annotated_at), redirected) = match connected {
+            Err(source) => {
+                let failed = MeshError::Ztunnel {
+                    pod: pod_name.clone(),
+                    source,
+                };
+                ((Ok(()), Instant::now()), Err(failed))
+            }
+            Ok(()) => {
+                let annotate = async {
+                    let result = self
+                        .annotator
+                        .set(namespace, pod_only, Redirection::Enabled)
+                        .await;
+                    (result, Instant::now())
+                };
+                let redirect = self.redirect(pod, uid, &pod_name, &cfg, ips, netns_path);
+                if netns_path.is_some() {
+                    // The sandbox of a CNI ADD cannot receive traffic before we answer (the
+                    // kubelet publishes its IP only after the ADD), so the patch may go first.
+                    tokio::join!(annotate, redirect)
+                } else {
+                    // A running pod enrolled by the informer path would be sent HBONE before it
+                    // is redirected: the annotation follows the redirection, as always.
+                    match redirect.await {
+                        Ok(stages) => (annotate.await, Ok(stages)),
+                        Err(failed) => ((Ok(()), Instant::now()), Err(failed)),
+                    }
+                }
             }
         };
         let stages = match redirected {
