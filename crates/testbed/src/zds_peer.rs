@@ -363,13 +363,20 @@ impl ZdsPeer {
     ) -> Result<PeerStatus, String> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let st = self.status();
-            if pred(&st) {
-                return Ok(st);
+            // Judged on the live status under the lock: a copy per poll (the log grows with every
+            // message) cost the bench more CPU than the agent restart it was timing, and held
+            // the lock the peer needs for each message meanwhile.
+            {
+                let mut st = self.inner.state();
+                st.refresh();
+                if pred(&st.status) {
+                    return Ok(st.status.clone());
+                }
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(format!(
-                    "timed out waiting for {what}; peer status: {st:#?}"
+                    "timed out waiting for {what}; peer status: {:#?}",
+                    self.status()
                 ));
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
