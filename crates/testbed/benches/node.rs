@@ -3,7 +3,9 @@
 //! it), alone and 100 at once, with the whole runtime-side chain and non-mesh pods as baselines —
 //! agent memory idle and with 250 enrolled pods, and agent restart → every pod handed to ztunnel
 //! again. Uses the e2e kit against a real kube-apiserver; binaries must be built in release
-//! first: `cargo build --release --workspace --bins`.
+//! first: `cargo build --release --workspace --bins`. The bursts and the restarts also report the
+//! CPU each part used (the agent, kube-apiserver with etcd, the plugin execs, the bench itself)
+//! and their sum spread over every CPU: the least time they could take on this machine.
 //!
 //! Run: `cargo bench -p testbed --bench node`. Prints one markdown table for BENCHMARKS.md.
 //!
@@ -19,6 +21,7 @@ use futures::future::join_all;
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
 
+use testbed::cpu_profile;
 use testbed::kube::KubeTestEnv;
 use testbed::node::{Agent, Backend, NodeOptions, TestNode, TestPod, plugin_binary};
 use testbed::zds_peer::{PeerConfig, ZdsPeer};
@@ -108,13 +111,14 @@ async fn add_one_by_one(
 
 /// `n` pods whose sandboxes are added all at once. `whole`: time the whole chain of every pod;
 /// otherwise the primary plugins run first, untimed, and only the plugin's execs are timed.
+/// Also returns the CPU the bench and what it started used in the timed part.
 async fn add_at_once(
     node: &TestNode,
     namespace: &str,
     prefix: &str,
     n: usize,
     whole: bool,
-) -> (Vec<TestPod>, Duration) {
+) -> (Vec<TestPod>, Duration, CpuSplit) {
     let mut pods = Vec::new();
     for i in 0..n {
         pods.push(
@@ -131,6 +135,7 @@ async fn add_at_once(
             .map(|r| Some(r.expect("primary ADD")))
             .collect()
     };
+    let cpu_before = cpu_profile::snapshot_tree(std::process::id());
     let started = Instant::now();
     let results = join_all(pods.iter().zip(prevs).map(|(pod, prev)| async move {
         match prev {
@@ -143,11 +148,42 @@ async fn add_at_once(
     }))
     .await;
     let took = started.elapsed();
+    let cpu = CpuSplit::between(&cpu_before);
     for (pod, r) in pods.iter_mut().zip(results) {
         let result = r.unwrap_or_else(|e| panic!("ADD at once failed: {e}\n{}", node.agent_log()));
         node.report_running(pod, &result).await;
     }
-    (pods, took)
+    (pods, took, cpu)
+}
+
+/// CPU time, in ms, of the bench and the processes it started, between a snapshot and now.
+struct CpuSplit {
+    /// The agent under test (ours and Istio's are both `install-cni`).
+    agent: f64,
+    api_server_and_etcd: f64,
+    /// Of the processes the bench started and waited for: the plugin execs.
+    plugin_execs: f64,
+    /// The bench itself: its client and the ZDS peer.
+    bench: f64,
+}
+
+impl CpuSplit {
+    fn between(before: &cpu_profile::Snapshot) -> CpuSplit {
+        let profile = cpu_profile::between(before, &cpu_profile::snapshot_tree(std::process::id()));
+        let bench_comm = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
+        let of = |comm: &str| profile.by_name.iter().find(|u| u.comm == comm);
+        let own = |comm: &str| of(comm).map_or(0.0, |u| ms(u.own));
+        CpuSplit {
+            agent: own("install-cni"),
+            api_server_and_etcd: own("kube-apiserver") + own("etcd"),
+            plugin_execs: of(bench_comm.trim()).map_or(0.0, |u| ms(u.reaped)),
+            bench: own(bench_comm.trim()),
+        }
+    }
+
+    fn total(&self) -> f64 {
+        self.agent + self.api_server_and_etcd + self.plugin_execs + self.bench
+    }
 }
 
 /// The whole bench on a fresh node running `agent`.
@@ -172,8 +208,9 @@ async fn run(agent: Agent) -> Figures {
     // the result through), so the ambient cost can be told apart from the chain's.
     node.create_namespace("plain", &[]).await;
     let (_, plain_chain, plain_ours, _) = add_one_by_one(&node, "plain", "plain", 20).await;
-    let (_, plain_burst) = add_at_once(&node, "plain", "plain-burst", 100, false).await;
-    let (_, plain_burst_chain) = add_at_once(&node, "plain", "plain-chain", 100, true).await;
+    let (_, plain_burst, plain_burst_cpu) =
+        add_at_once(&node, "plain", "plain-burst", 100, false).await;
+    let (_, plain_burst_chain, _) = add_at_once(&node, "plain", "plain-chain", 100, true).await;
 
     // The first ambient ADD after the agent started pays one-time costs (its first connection
     // for writes to the API server, first rules in a pod); reported on its own.
@@ -183,7 +220,7 @@ async fn run(agent: Agent) -> Figures {
     let sequential_metrics = node.metrics();
 
     // 100 sandboxes at once, as a node does after a reboot or a big rollout.
-    let (more, burst) = add_at_once(&node, "bench", "burst", 100, false).await;
+    let (more, burst, burst_cpu) = add_at_once(&node, "bench", "burst", 100, false).await;
     // The floor under that burst: the same 100 annotation patches on `pods/status` by the bench
     // itself, at most 8 in flight as the agent's client sends them (`MAX_IN_FLIGHT`).
     let burst_patches = {
@@ -211,7 +248,7 @@ async fn run(agent: Agent) -> Figures {
         started.elapsed()
     };
     pods.extend(more);
-    let (more, burst_chain) = add_at_once(&node, "bench", "chain", 100, true).await;
+    let (more, burst_chain, _) = add_at_once(&node, "bench", "chain", 100, true).await;
     pods.extend(more);
     for pod in &pods {
         node.wait_redirection(pod, Some("enabled")).await;
@@ -230,7 +267,11 @@ async fn run(agent: Agent) -> Figures {
     let mut restarts = Vec::new();
     let mut restart = None;
     let mut last_start = std::time::SystemTime::now();
+    // Per restart: a killed agent's time goes to the bench that reaps it, so each restart is
+    // measured on its own, from the kill to the last pod handed over (the new agent's time).
+    let mut restart_cpu = Vec::new();
     for _ in 0..RESTARTS {
+        let cpu_before = cpu_profile::snapshot_tree(std::process::id());
         let before = peer.status();
         let (connects, log_len) = (before.connects, before.log.len());
         node.kill_agent();
@@ -253,6 +294,7 @@ async fn run(agent: Agent) -> Figures {
             .await;
         if restarted.is_ok() {
             restarts.push(ms(started.elapsed()));
+            restart_cpu.push(CpuSplit::between(&cpu_before));
             continue;
         }
         let s = peer.status();
@@ -357,6 +399,49 @@ async fn run(agent: Agent) -> Figures {
         ("the same for non-mesh pods (baseline)", plain_burst_chain),
     ] {
         push(what.into(), "ms", Figure::Value(ms(took)));
+    }
+    // Whether the bursts are bound by this machine's CPUs: everything the bench's processes
+    // spent in the timed part, spread over every CPU, is the least the burst can take here.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    for (what, cpu) in [
+        ("100 ambient CNI ADDs at once", &burst_cpu),
+        ("100 non-mesh CNI ADDs at once", &plain_burst_cpu),
+    ] {
+        for (part, v) in [
+            ("the agent", cpu.agent),
+            ("kube-apiserver + etcd", cpu.api_server_and_etcd),
+            ("the plugin execs", cpu.plugin_execs),
+            ("the bench (its client, the ZDS peer)", cpu.bench),
+        ] {
+            push(
+                format!("CPU during the {what}: {part}"),
+                "ms",
+                Figure::Value(v),
+            );
+        }
+        push(
+            format!("CPU during the {what}: all of it ÷ {cpus} CPUs (the least it can take here)"),
+            "ms",
+            Figure::Value(cpu.total() / cpus),
+        );
+    }
+    let parts = |c: &CpuSplit| [c.agent, c.api_server_and_etcd, c.bench, c.total() / cpus];
+    for (i, part) in [
+        "the agent",
+        "kube-apiserver + etcd",
+        "the bench (the ZDS peer, waiting for it)",
+        "all of it ÷ CPUs",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let f = if restart_cpu.is_empty() {
+            Figure::NotApplicable("no restart completed".into())
+        } else {
+            let sum: f64 = restart_cpu.iter().map(|c| parts(c)[i]).sum();
+            Figure::Value(sum / restart_cpu.len() as f64)
+        };
+        push(format!("CPU per agent restart, mean: {part}"), "ms", f);
     }
     for (phase, m) in [
         ("one at a time", &sequential_metrics),

@@ -50,6 +50,21 @@ pub struct Snapshot {
 /// `/proc`. (A node's components are started into its namespace by `nsenter`, so they are not
 /// descendants of its init.)
 pub fn snapshot(member: u32) -> Snapshot {
+    let all = processes();
+    let pidns = all
+        .get(&member)
+        .map(|s| s.pidns.clone())
+        .unwrap_or_default();
+    with_machine(under(all, |_, s| s.pidns == pidns))
+}
+
+/// `root` and every process whose parent chain reaches it: a bench and what it started (the API
+/// server, the agent, and in `root`'s reaped time the plugin execs it waited for).
+pub fn snapshot_tree(root: u32) -> Snapshot {
+    with_machine(under(processes(), |pid, _| pid == root))
+}
+
+fn processes() -> HashMap<u32, Sample> {
     let mut all = HashMap::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Some(pid) = entry
@@ -70,28 +85,31 @@ pub fn snapshot(member: u32) -> Snapshot {
             all.insert(pid, s);
         }
     }
+    all
+}
+
+fn with_machine(processes: HashMap<u32, Sample>) -> Snapshot {
     let (machine_busy, machine_total) = std::fs::read_to_string("/proc/stat")
         .ok()
         .and_then(|s| machine_times(&s))
         .unwrap_or_default();
-    let pidns = all
-        .get(&member)
-        .map(|s| s.pidns.clone())
-        .unwrap_or_default();
     Snapshot {
-        processes: within(all, &pidns),
+        processes,
         machine_busy,
         machine_total,
     }
 }
 
-/// Keeps the processes in PID namespace `pidns` and those whose parent chain reaches one.
-fn within(mut all: HashMap<u32, Sample>, pidns: &str) -> HashMap<u32, Sample> {
-    let under = |mut pid: u32, all: &HashMap<u32, Sample>| {
+/// Keeps the processes for which `is_root` holds and those whose parent chain reaches one.
+fn under(
+    mut all: HashMap<u32, Sample>,
+    is_root: impl Fn(u32, &Sample) -> bool,
+) -> HashMap<u32, Sample> {
+    let reaches = |mut pid: u32, all: &HashMap<u32, Sample>| {
         // Bounded: a parent chain cannot be longer than the process table.
         for _ in 0..=all.len() {
             let Some(s) = all.get(&pid) else { return false };
-            if s.pidns == pidns {
+            if is_root(pid, s) {
                 return true;
             }
             if s.ppid == 0 || s.ppid == pid {
@@ -101,7 +119,7 @@ fn within(mut all: HashMap<u32, Sample>, pidns: &str) -> HashMap<u32, Sample> {
         }
         false
     };
-    let keep: HashSet<u32> = all.keys().copied().filter(|p| under(*p, &all)).collect();
+    let keep: HashSet<u32> = all.keys().copied().filter(|p| reaches(*p, &all)).collect();
     all.retain(|pid, _| keep.contains(pid));
     all
 }
@@ -224,7 +242,7 @@ mod tests {
     }
 
     #[test]
-    fn keeps_the_namespace_and_its_descendants() {
+    fn keeps_the_namespace_or_the_process_and_their_descendants() {
         let node = |mut s: Sample| {
             s.pidns = "pid:[2]".into();
             s
@@ -240,9 +258,15 @@ mod tests {
             (20, sample("other", 1, 0, 0)),
             (30, sample("nsenter", 1, 0, 0)),
         ]);
-        let mut kept: Vec<u32> = within(all, "pid:[2]").into_keys().collect();
+        let mut kept: Vec<u32> = under(all.clone(), |_, s| s.pidns == "pid:[2]")
+            .into_keys()
+            .collect();
         kept.sort();
         assert_eq!(kept, [10, 11, 12, 13]);
+        // A process tree: the root and its descendants, not its parent nor its siblings.
+        let mut tree: Vec<u32> = under(all, |pid, _| pid == 10).into_keys().collect();
+        tree.sort();
+        assert_eq!(tree, [10, 12, 13]);
     }
 
     #[test]
