@@ -50,12 +50,22 @@ type Received<T> = (NetlinkMessage<T>, Option<String>);
 pub struct NetlinkSocket {
     socket: Socket,
     next_seq: u32,
-    buf: Vec<u8>,
 }
 
-// Large enough for any single datagram the kernel sends on a dump (it caps at 32 KiB unless the
-// receive buffer is larger); MSG_TRUNC detection below guards the rest.
-const RECV_BUF: usize = 64 * 1024;
+// The length of a read. The kernel sizes the buffer of each dump datagram by the largest read it
+// has seen on the socket (up to 32 KiB): reads of 64 KiB made every datagram of every dump an
+// order-3 allocation in the kernel, for replies of a few hundred bytes. At one page it uses its
+// own default; a datagram that is larger anyway (one large message) is found by a peek first.
+const READ_LEN: usize = 4096;
+
+thread_local! {
+    /// The receive buffer of every socket used on this thread. A buffer per socket came and went
+    /// with each pod namespace a worker visited, and musl's allocator maps and unmaps an
+    /// allocation this size each time: an agent restart with 250 pods unmapped hundreds of them,
+    /// each unmap a TLB shootdown on every CPU running the agent. Only the pages a datagram
+    /// touched become resident.
+    static RECV: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 const NLMSGERR_ATTR_MSG: u16 = 1;
 
 impl NetlinkSocket {
@@ -69,7 +79,6 @@ impl NetlinkSocket {
         Ok(NetlinkSocket {
             socket,
             next_seq: 1,
-            buf: Vec::with_capacity(RECV_BUF),
         })
     }
 
@@ -237,30 +246,50 @@ impl NetlinkSocket {
     where
         T: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
-        self.buf.clear();
-        self.buf.reserve(RECV_BUF);
-        let n = loop {
-            match self.socket.recv(&mut self.buf, 0) {
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                other => break other?,
+        RECV.with_borrow_mut(|buf| self.recv_into(buf))
+    }
+
+    fn recv_into<T>(&mut self, buf: &mut Vec<u8>) -> Result<Vec<Received<T>>, NetlinkError>
+    where
+        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+    {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.socket);
+        let read = |buf: &mut Vec<u8>, len: usize, flags: libc::c_int| loop {
+            buf.clear();
+            buf.reserve(len);
+            // SAFETY: the kernel writes at most `len` bytes into the spare capacity just
+            // reserved; the length is set to what it wrote.
+            let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), len, flags) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
             }
+            let n = n as usize;
+            // SAFETY: the first min(n, len) bytes were written by the kernel.
+            unsafe { buf.set_len(n.min(len)) };
+            return Ok(n);
         };
-        if n > self.buf.len() {
+        let whole = read(buf, READ_LEN, libc::MSG_PEEK | libc::MSG_TRUNC)?;
+        let len = whole.max(READ_LEN);
+        let n = read(buf, len, 0)?;
+        if n > buf.len() {
             return Err(NetlinkError::Decode(format!(
                 "datagram of {n} bytes truncated"
             )));
         }
         let mut out = Vec::new();
         let mut off = 0;
-        while off + 16 <= self.buf.len() {
-            let len =
-                u32::from_ne_bytes(self.buf[off..off + 4].try_into().expect("4 bytes")) as usize;
-            if len < 16 || off + len > self.buf.len() {
+        while off + 16 <= buf.len() {
+            let len = u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes")) as usize;
+            if len < 16 || off + len > buf.len() {
                 return Err(NetlinkError::Decode(format!(
                     "bad message length {len} at offset {off}"
                 )));
             }
-            let bytes = &self.buf[off..off + len];
+            let bytes = &buf[off..off + len];
             let msg = NetlinkMessage::<T>::deserialize(bytes)
                 .map_err(|e| NetlinkError::Decode(e.to_string()))?;
             let ext_ack = match msg.payload {
@@ -400,5 +429,25 @@ mod tests {
             sock.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn a_datagram_longer_than_a_read_is_read_whole() {
+        let mut sock = NetlinkSocket::open(netlink_sys::constants::NETLINK_ROUTE).unwrap();
+        // The kernel's refusal (an alias too long, a link that does not exist) echoes the whole
+        // request: a reply twice the length of a read, which a short read would have cut.
+        let mut msg = LinkMessage::default();
+        msg.header.index = u32::MAX - 1;
+        msg.attributes
+            .push(LinkAttribute::IfAlias("x".repeat(2 * READ_LEN)));
+        let err = sock
+            .get(RouteNetlinkMessage::GetLink(msg))
+            .expect_err("refused");
+        assert!(matches!(err, NetlinkError::Kernel { .. }), "{err}");
+        // Read whole: nothing of it is left to be taken for the next reply.
+        let links = sock
+            .dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
+            .unwrap();
+        assert!(!links.is_empty());
     }
 }
