@@ -425,22 +425,23 @@ async fn run(agent: Agent) -> Figures {
             Figure::Value(cpu.total() / cpus),
         );
     }
-    let parts = |c: &CpuSplit| [c.agent, c.api_server_and_etcd, c.bench, c.total() / cpus];
-    for (i, part) in [
-        "the agent",
-        "kube-apiserver + etcd",
-        "the bench (the ZDS peer, waiting for it)",
-        "all of it ÷ CPUs",
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let f = if restart_cpu.is_empty() {
-            Figure::NotApplicable("no restart completed".into())
-        } else {
-            let sum: f64 = restart_cpu.iter().map(|c| parts(c)[i]).sum();
-            Figure::Value(sum / restart_cpu.len() as f64)
-        };
+    let mean = |of: fn(&CpuSplit) -> f64| {
+        (!restart_cpu.is_empty())
+            .then(|| restart_cpu.iter().map(of).sum::<f64>() / restart_cpu.len() as f64)
+    };
+    for (part, v) in [
+        ("the agent", mean(|c| c.agent)),
+        ("kube-apiserver + etcd", mean(|c| c.api_server_and_etcd)),
+        (
+            "the bench (the ZDS peer, waiting for it)",
+            mean(|c| c.bench),
+        ),
+        ("all of it ÷ CPUs", mean(CpuSplit::total).map(|t| t / cpus)),
+    ] {
+        let f = v.map_or_else(
+            || Figure::NotApplicable("no restart completed".into()),
+            Figure::Value,
+        );
         push(format!("CPU per agent restart, mean: {part}"), "ms", f);
     }
     for (phase, m) in [
