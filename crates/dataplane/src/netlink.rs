@@ -356,28 +356,53 @@ fn ext_ack_text(flags: u16, raw: &[u8]) -> Option<String> {
     } else {
         u32::from_ne_bytes(inner.get(0..4)?.try_into().ok()?) as usize
     };
-    let tlvs = nlas(raw.get(20 + ((inner_len + 3) & !3)..)?)?;
-    let text = tlvs.iter().find(|(kind, _)| *kind == NLMSGERR_ATTR_MSG)?.1;
+    let tlvs = Nlas::parse(raw.get(20 + ((inner_len + 3) & !3)..)?)?;
+    let text = tlvs.get(NLMSGERR_ATTR_MSG)?;
     let text = text.split(|b| *b == 0).next().unwrap_or_default();
     Some(String::from_utf8_lossy(text).into_owned())
 }
 
-/// The attributes of one netlink attribute stream as (type, value) pairs, or `None` if a length
-/// runs past the buffer. Read by hand: the netlink crates' parsers format every buffer they walk
-/// into an error-context string, success or not, which made reading a pod's nftables rules back
-/// cost milliseconds of CPU.
-pub(crate) fn nlas(mut buf: &[u8]) -> Option<Vec<(u16, &[u8])>> {
-    let mut out = Vec::new();
-    while buf.len() >= 4 {
-        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
-        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & netlink_packet_core::NLA_TYPE_MASK;
-        if len < 4 {
-            return None;
+/// One netlink attribute stream, checked once to be well formed and then read in place: no
+/// list of attributes is built, since a rule read back walks several streams per expression and
+/// on the agent's static build every allocation takes musl's global lock. Read by hand: the
+/// netlink crates' parsers format every buffer they walk into an error-context string, success
+/// or not, which made reading a pod's nftables rules back cost milliseconds of CPU.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Nlas<'a>(&'a [u8]);
+
+impl<'a> Nlas<'a> {
+    /// `None` if an attribute's length is shorter than its header or runs past the buffer.
+    pub(crate) fn parse(buf: &'a [u8]) -> Option<Self> {
+        let mut rest = buf;
+        while rest.len() >= 4 {
+            let len = u16::from_ne_bytes([rest[0], rest[1]]) as usize;
+            if len < 4 || len > rest.len() {
+                return None;
+            }
+            rest = rest.get((len + 3) & !3..).unwrap_or_default();
         }
-        out.push((kind, buf.get(4..len)?));
-        buf = buf.get((len + 3) & !3..).unwrap_or_default();
+        Some(Nlas(buf))
     }
-    Some(out)
+
+    /// The (type, value) pairs, in order.
+    pub(crate) fn iter(self) -> impl Iterator<Item = (u16, &'a [u8])> {
+        let mut rest = self.0;
+        std::iter::from_fn(move || {
+            if rest.len() < 4 {
+                return None;
+            }
+            let len = u16::from_ne_bytes([rest[0], rest[1]]) as usize;
+            let kind = u16::from_ne_bytes([rest[2], rest[3]]) & netlink_packet_core::NLA_TYPE_MASK;
+            let value = &rest[4..len];
+            rest = rest.get((len + 3) & !3..).unwrap_or_default();
+            Some((kind, value))
+        })
+    }
+
+    /// The value of the first attribute of type `kind`.
+    pub(crate) fn get(self, kind: u16) -> Option<&'a [u8]> {
+        self.iter().find(|(k, _)| *k == kind).map(|(_, v)| v)
+    }
 }
 
 #[cfg(test)]

@@ -16,7 +16,9 @@ use cni_core::redirect::nft::{
 };
 use netlink_packet_core::DefaultNla;
 
-use crate::netlink::nlas;
+use smallvec::smallvec;
+
+use crate::netlink::Nlas;
 use netlink_packet_netfilter::nftables::{
     Bitwise, Cmp, DataAttribute, ExpressionAttribute, Expressions, Immediate, ListAttribute,
     Lookup, Meta, MetaKey, Operator, Payload, Register, VerdictAttribute,
@@ -64,6 +66,11 @@ const NFT_JUMP: u32 = -3i32 as u32;
 const NFT_RETURN: u32 = -5i32 as u32;
 const IFNAMSIZ: usize = 16;
 
+/// A register's worth of data, held inline: no value of these expressions is longer than an
+/// IPv6 address or an interface name (16 bytes), and a rule read back decodes several, so
+/// inline storage saves an allocation each. A longer value (a foreign rule) spills to the heap.
+pub(crate) type Bytes = smallvec::SmallVec<[u8; 16]>;
+
 /// Every expression loads into and reads from register 1, as `nft` does for these rules.
 const REG: u32 = 1;
 
@@ -78,7 +85,7 @@ pub(crate) enum Low {
     },
     Cmp {
         op: CmpOp,
-        data: Vec<u8>,
+        data: Bytes,
     },
     Payload {
         base: u32,
@@ -86,14 +93,14 @@ pub(crate) enum Low {
         len: u32,
     },
     Bitwise {
-        mask: Vec<u8>,
-        xor: Vec<u8>,
+        mask: Bytes,
+        xor: Bytes,
     },
     Lookup {
         set: String,
     },
     Immediate {
-        data: Vec<u8>,
+        data: Bytes,
     },
     Verdict {
         code: u32,
@@ -158,14 +165,14 @@ fn hex(data: &[u8]) -> String {
     s
 }
 
-fn addr_bytes(addr: IpAddr) -> Vec<u8> {
+fn addr_bytes(addr: IpAddr) -> Bytes {
     match addr {
-        IpAddr::V4(a) => a.octets().to_vec(),
-        IpAddr::V6(a) => a.octets().to_vec(),
+        IpAddr::V4(a) => Bytes::from_slice(&a.octets()),
+        IpAddr::V6(a) => Bytes::from_slice(&a.octets()),
     }
 }
 
-fn prefix_mask(len: u8, total_bytes: usize) -> Vec<u8> {
+fn prefix_mask(len: u8, total_bytes: usize) -> Bytes {
     (0..total_bytes)
         .map(|i| {
             let bits = (len as usize).saturating_sub(i * 8).min(8);
@@ -179,7 +186,7 @@ fn nfproto_match(v6: bool) -> [Low; 2] {
         Low::MetaLoad { key: META_NFPROTO },
         Low::Cmp {
             op: CmpOp::Eq,
-            data: vec![if v6 { NFPROTO_IPV6 } else { NFPROTO_IPV4 }],
+            data: smallvec![if v6 { NFPROTO_IPV6 } else { NFPROTO_IPV4 }],
         },
     ]
 }
@@ -201,8 +208,8 @@ fn addr_payload(field: AddrField, v6: bool) -> Low {
 fn masked(mask: u32) -> Low {
     // Packet and connection marks are host-order integers in nftables registers.
     Low::Bitwise {
-        mask: mask.to_ne_bytes().to_vec(),
-        xor: vec![0; 4],
+        mask: mask.to_ne_bytes().as_slice().into(),
+        xor: smallvec![0; 4],
     }
 }
 
@@ -213,7 +220,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             Low::MetaLoad { key: META_L4PROTO },
             Low::Cmp {
                 op: CmpOp::Eq,
-                data: vec![p.number()],
+                data: smallvec![p.number()],
             },
         ],
         Expr::Addr { field, op, prefix } => {
@@ -226,7 +233,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
                 let mask = prefix_mask(prefix.len, bytes.len());
                 data = bytes.iter().zip(&mask).map(|(b, m)| b & m).collect();
                 out.push(Low::Bitwise {
-                    xor: vec![0; mask.len()],
+                    xor: smallvec![0; mask.len()],
                     mask,
                 });
             }
@@ -242,7 +249,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             Low::MetaLoad { key: META_L4PROTO },
             Low::Cmp {
                 op: CmpOp::Eq,
-                data: vec![proto.number()],
+                data: smallvec![proto.number()],
             },
             Low::Payload {
                 base: PAYLOAD_TRANSPORT,
@@ -254,11 +261,11 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             },
             Low::Cmp {
                 op: *op,
-                data: port.to_be_bytes().to_vec(),
+                data: port.to_be_bytes().as_slice().into(),
             },
         ],
         Expr::Iface { field, op, name } => {
-            let mut data = name.as_bytes().to_vec();
+            let mut data = Bytes::from_slice(name.as_bytes());
             data.resize(IFNAMSIZ, 0);
             vec![
                 Low::MetaLoad {
@@ -278,7 +285,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             Low::MetaLoad { key: META_MARK },
             Low::Cmp {
                 op: *op,
-                data: value.to_ne_bytes().to_vec(),
+                data: value.to_ne_bytes().as_slice().into(),
             },
         ],
         Expr::Mark { mask, op, value } => vec![
@@ -286,7 +293,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             masked(*mask),
             Low::Cmp {
                 op: *op,
-                data: value.to_ne_bytes().to_vec(),
+                data: value.to_ne_bytes().as_slice().into(),
             },
         ],
         Expr::CtMark {
@@ -297,7 +304,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             Low::CtLoad { key: CT_MARK },
             Low::Cmp {
                 op: *op,
-                data: value.to_ne_bytes().to_vec(),
+                data: value.to_ne_bytes().as_slice().into(),
             },
         ],
         Expr::CtMark { mask, op, value } => vec![
@@ -305,7 +312,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             masked(*mask),
             Low::Cmp {
                 op: *op,
-                data: value.to_ne_bytes().to_vec(),
+                data: value.to_ne_bytes().as_slice().into(),
             },
         ],
         Expr::Owner { gid, op, id } => vec![
@@ -314,7 +321,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             },
             Low::Cmp {
                 op: *op,
-                data: id.to_ne_bytes().to_vec(),
+                data: id.to_ne_bytes().as_slice().into(),
             },
         ],
         Expr::AddrInSet { field, v6, set } => {
@@ -344,7 +351,7 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
         }],
         Expr::Redirect { port } => vec![
             Low::Immediate {
-                data: port.to_be_bytes().to_vec(),
+                data: port.to_be_bytes().as_slice().into(),
             },
             Low::Redir,
         ],
@@ -363,8 +370,8 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
         Expr::CtMarkSetMasked { keep, or } => vec![
             Low::CtLoad { key: CT_MARK },
             Low::Bitwise {
-                mask: keep.to_ne_bytes().to_vec(),
-                xor: or.to_ne_bytes().to_vec(),
+                mask: keep.to_ne_bytes().as_slice().into(),
+                xor: or.to_ne_bytes().as_slice().into(),
             },
             Low::CtSet { key: CT_MARK },
         ],
@@ -374,13 +381,13 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
         ],
         Expr::CtZoneSet(zone) => vec![
             Low::Immediate {
-                data: zone.to_ne_bytes().to_vec(),
+                data: zone.to_ne_bytes().as_slice().into(),
             },
             Low::CtSet { key: CT_ZONE },
         ],
         Expr::MarkSet(mark) => vec![
             Low::Immediate {
-                data: mark.to_ne_bytes().to_vec(),
+                data: mark.to_ne_bytes().as_slice().into(),
             },
             Low::MetaSet { key: META_MARK },
         ],
@@ -393,12 +400,12 @@ pub(crate) fn encode(expr: &Expr) -> Vec<Low> {
             masked(*bits),
             Low::Cmp {
                 op: CmpOp::Ne,
-                data: vec![0; 4],
+                data: smallvec![0; 4],
             },
         ],
         Expr::Tproxy { v6, port } => vec![
             Low::Immediate {
-                data: port.to_be_bytes().to_vec(),
+                data: port.to_be_bytes().as_slice().into(),
             },
             Low::Tproxy {
                 family: if *v6 { NFPROTO_IPV6 } else { NFPROTO_IPV4 },
@@ -423,12 +430,13 @@ fn ip_from(data: &[u8]) -> Option<IpAddr> {
 
 fn prefix_len_of(mask: &[u8]) -> Option<u8> {
     let ones: u32 = mask.iter().map(|b| b.count_ones()).sum();
-    (prefix_mask(ones as u8, mask.len()) == mask).then_some(ones as u8)
+    (prefix_mask(ones as u8, mask.len()).as_slice() == mask).then_some(ones as u8)
 }
 
 /// Folds kernel expressions back into model expressions (the inverse of [`encode`]).
 pub(crate) fn decode(lows: &[Low]) -> Vec<Expr> {
-    let mut out = Vec::new();
+    // Never more expressions than kernel expressions: one allocation, never grown.
+    let mut out = Vec::with_capacity(lows.len());
     let mut i = 0;
     while i < lows.len() {
         match decode_one(&lows[i..]) {
@@ -822,24 +830,22 @@ const NFT_CMP_NEQ: u32 = 1;
 /// `NFT_REG_VERDICT`: an immediate loaded here is a verdict.
 const NFT_REG_VERDICT: u32 = 0;
 
-fn attr<'a>(attrs: &[(u16, &'a [u8])], kind: u16) -> Option<&'a [u8]> {
-    attrs.iter().find(|(k, _)| *k == kind).map(|(_, v)| *v)
-}
-
-fn attr_u32(attrs: &[(u16, &[u8])], kind: u16) -> Option<u32> {
+fn attr_u32(attrs: Nlas<'_>, kind: u16) -> Option<u32> {
     Some(u32::from_be_bytes(
-        attr(attrs, kind)?.get(..4)?.try_into().ok()?,
+        attrs.get(kind)?.get(..4)?.try_into().ok()?,
     ))
 }
 
 /// The `NFTA_DATA_VALUE` inside a nested data attribute.
-fn data_value(nested: &[u8]) -> Option<Vec<u8>> {
-    attr(&nlas(nested)?, NFTA_DATA_VALUE).map(<[u8]>::to_vec)
+fn data_value(nested: &[u8]) -> Option<Bytes> {
+    Nlas::parse(nested)?
+        .get(NFTA_DATA_VALUE)
+        .map(Bytes::from_slice)
 }
 
 /// One expression's `NFTA_EXPR_DATA` attributes back into a kernel expression.
-fn low_from_attrs(name: &str, a: &[(u16, &[u8])]) -> Option<Low> {
-    let has = |kind: u16| attr(a, kind).is_some();
+fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
+    let has = |kind: u16| a.get(kind).is_some();
     Some(match name {
         "meta" => {
             let key = attr_u32(a, NFTA_META_KEY)?;
@@ -855,7 +861,7 @@ fn low_from_attrs(name: &str, a: &[(u16, &[u8])]) -> Option<Low> {
                 NFT_CMP_NEQ => CmpOp::Ne,
                 _ => return None,
             },
-            data: data_value(attr(a, NFTA_CMP_DATA)?)?,
+            data: data_value(a.get(NFTA_CMP_DATA)?)?,
         },
         "payload" if has(NFTA_PAYLOAD_DREG) => Low::Payload {
             base: attr_u32(a, NFTA_PAYLOAD_BASE)?,
@@ -863,23 +869,23 @@ fn low_from_attrs(name: &str, a: &[(u16, &[u8])]) -> Option<Low> {
             len: attr_u32(a, NFTA_PAYLOAD_LEN)?,
         },
         "bitwise" => Low::Bitwise {
-            mask: data_value(attr(a, NFTA_BITWISE_MASK)?)?,
-            xor: data_value(attr(a, NFTA_BITWISE_XOR)?)?,
+            mask: data_value(a.get(NFTA_BITWISE_MASK)?)?,
+            xor: data_value(a.get(NFTA_BITWISE_XOR)?)?,
         },
         "lookup" => Low::Lookup {
-            set: super::wire::string_of(attr(a, NFTA_LOOKUP_SET)?),
+            set: super::wire::string_of(a.get(NFTA_LOOKUP_SET)?),
         },
         "immediate" => {
-            let data = nlas(attr(a, NFTA_IMMEDIATE_DATA)?)?;
+            let data = Nlas::parse(a.get(NFTA_IMMEDIATE_DATA)?)?;
             if attr_u32(a, NFTA_IMMEDIATE_DREG)? == NFT_REG_VERDICT {
-                let v = nlas(attr(&data, NFTA_DATA_VERDICT)?)?;
+                let v = Nlas::parse(data.get(NFTA_DATA_VERDICT)?)?;
                 Low::Verdict {
-                    code: attr_u32(&v, NFTA_VERDICT_CODE)?,
-                    chain: attr(&v, NFTA_VERDICT_CHAIN).map(super::wire::string_of),
+                    code: attr_u32(v, NFTA_VERDICT_CODE)?,
+                    chain: v.get(NFTA_VERDICT_CHAIN).map(super::wire::string_of),
                 }
             } else {
                 Low::Immediate {
-                    data: attr(&data, NFTA_DATA_VALUE)?.to_vec(),
+                    data: Bytes::from_slice(data.get(NFTA_DATA_VALUE)?),
                 }
             }
         }
@@ -907,15 +913,17 @@ fn low_from_attrs(name: &str, a: &[(u16, &[u8])]) -> Option<Low> {
 /// One `NFTA_LIST_ELEM` of a rule back into a kernel expression; anything unrecognised (or
 /// malformed) becomes [`Low::Other`], so it shows up in a drift instead of vanishing.
 fn low_from_elem(elem: &[u8]) -> Low {
-    let attrs = nlas(elem).unwrap_or_default();
-    let name = attr(&attrs, NFTA_EXPR_NAME).map_or_else(|| "?".to_string(), super::wire::string_of);
-    let parsed = attr(&attrs, NFTA_EXPR_DATA)
-        .and_then(nlas)
-        .and_then(|data| low_from_attrs(&name, &data));
-    parsed.unwrap_or(Low::Other {
-        name,
-        detail: String::new(),
-    })
+    let attrs = Nlas::parse(elem).unwrap_or_default();
+    // Borrowed: the name is only matched on, and kept only for an expression not understood.
+    let name = attrs.get(NFTA_EXPR_NAME).map_or("?", super::wire::str_of);
+    attrs
+        .get(NFTA_EXPR_DATA)
+        .and_then(Nlas::parse)
+        .and_then(|data| low_from_attrs(name, data))
+        .unwrap_or_else(|| Low::Other {
+            name: name.to_string(),
+            detail: String::new(),
+        })
 }
 
 /// A rule's model expressions as the netlink list the kernel expects.
@@ -930,17 +938,19 @@ pub(crate) fn rule_to_netlink(exprs: &[Expr]) -> Vec<ListAttribute<ExpressionAtt
 /// The kernel's expression list of a rule (`NFTA_RULE_EXPRESSIONS`), folded into model
 /// expressions.
 pub(crate) fn rule_from_wire(list: &[u8]) -> Vec<Expr> {
-    let lows: Vec<Low> = match nlas(list) {
-        Some(items) => items
-            .into_iter()
-            .map(|(kind, value)| match kind {
+    let lows: Vec<Low> = match Nlas::parse(list) {
+        Some(items) => {
+            // Sized first: the walk cannot tell its length, and growing would reallocate.
+            let mut lows = Vec::with_capacity(items.iter().count());
+            lows.extend(items.iter().map(|(kind, value)| match kind {
                 NFTA_LIST_ELEM => low_from_elem(value),
                 other => Low::Other {
                     name: format!("list attribute {other}"),
                     detail: String::new(),
                 },
-            })
-            .collect(),
+            }));
+            lows
+        }
         None => vec![Low::Other {
             name: "malformed expression list".into(),
             detail: String::new(),
@@ -1024,12 +1034,12 @@ mod tests {
         };
         let lows = encode(&e);
         assert!(lows.contains(&Low::Bitwise {
-            mask: vec![255, 240, 0, 0],
-            xor: vec![0; 4]
+            mask: smallvec![255, 240, 0, 0],
+            xor: smallvec![0; 4]
         }));
         assert!(lows.contains(&Low::Cmp {
             op: CmpOp::Eq,
-            data: vec![10, 0, 0, 0]
+            data: smallvec![10, 0, 0, 0]
         }));
         match &decode(&lows)[..] {
             [Expr::Addr { prefix, .. }] => assert_eq!(prefix.len, 12),

@@ -17,14 +17,30 @@ use netlink_packet_netfilter::none::ControlMessage;
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 
 use super::expr::{rule_from_wire, rule_to_netlink};
-use crate::netlink::{NetlinkError, NetlinkSocket, nlas};
+use crate::netlink::{NetlinkError, NetlinkSocket, Nlas};
 
 /// `NFNL_SUBSYS_NFTABLES`: batch begin/end name the subsystem they wrap in `res_id`.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_NEWCHAIN: u16 = 3;
 const NFT_MSG_NEWRULE: u16 = 6;
+const NFT_MSG_NEWSET: u16 = 9;
 const NFT_MSG_NEWSETELEM: u16 = 12;
 /// `struct nfgenmsg`, ahead of every nf_tables message's attributes.
 const NFGENMSG_LEN: usize = 4;
+// enum nft_table_attributes, nft_chain_attributes, nft_hook_attributes
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_CHAIN_TYPE: u16 = 7;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NFTA_HOOK_PRIORITY: u16 = 2;
+// enum nft_set_attributes
+const NFTA_SET_TABLE: u16 = 1;
+const NFTA_SET_NAME: u16 = 2;
+const NFTA_SET_KEY_TYPE: u16 = 4;
+const NFTA_SET_USERDATA: u16 = 13;
 // enum nft_rule_attributes
 const NFTA_RULE_TABLE: u16 = 1;
 const NFTA_RULE_CHAIN: u16 = 2;
@@ -251,6 +267,13 @@ pub(crate) fn nul_terminated(s: &str) -> Vec<u8> {
     v
 }
 
+/// A NUL-terminated name, borrowed; one that is not UTF-8 reads as such (names of ours and of
+/// any nft tool always are).
+pub(crate) fn str_of(value: &[u8]) -> &str {
+    let end = value.iter().position(|b| *b == 0).unwrap_or(value.len());
+    std::str::from_utf8(&value[..end]).unwrap_or("(not UTF-8)")
+}
+
 pub(crate) fn string_of(value: &[u8]) -> String {
     let end = value.iter().position(|b| *b == 0).unwrap_or(value.len());
     String::from_utf8_lossy(&value[..end]).into_owned()
@@ -273,28 +296,31 @@ where
     }
 }
 
-fn dump(
-    sock: &mut NetlinkSocket,
-    msg: NfTablesMessage,
-) -> Result<Vec<NfTablesMessage>, NetlinkError> {
-    let replies = dump_retrying(sock, || inet(msg.clone()))?;
-    Ok(replies
-        .into_iter()
-        .filter_map(|m| match m.inner {
-            netlink_packet_netfilter::NetfilterMessageInner::NfTables(n) => Some(n),
-            _ => None,
-        })
-        .collect())
-}
-
-/// A dump whose replies of type `reply` (an `NFT_MSG_*`) are returned undecoded, for
-/// [`nlas`] to read: see there why.
+/// A dump of inet objects whose replies of type `reply` (an `NFT_MSG_*`) are returned
+/// undecoded, for [`Nlas`] to read: see there why.
 fn dump_raw(
     sock: &mut NetlinkSocket,
     msg: NfTablesMessage,
     reply: u16,
 ) -> Result<Vec<Vec<u8>>, NetlinkError> {
-    let replies = dump_retrying(sock, || Raw::Request(inet(msg.clone())))?;
+    dump_raw_of(sock, NetfilterProtoFamily::Inet, msg, reply)
+}
+
+/// [`dump_raw`] of the objects of `family` (`Unspec`: of every family, each reply's
+/// `nfgenmsg` naming its own).
+fn dump_raw_of(
+    sock: &mut NetlinkSocket,
+    family: NetfilterProtoFamily,
+    msg: NfTablesMessage,
+    reply: u16,
+) -> Result<Vec<Vec<u8>>, NetlinkError> {
+    let request = || {
+        Raw::Request(NetfilterMessage::new(
+            NetfilterHeader::new(family, 0, 0),
+            msg.clone(),
+        ))
+    };
+    let replies = dump_retrying(sock, request)?;
     let wanted = (NFNL_SUBSYS_NFTABLES << 8) | reply;
     Ok(replies
         .into_iter()
@@ -353,54 +379,48 @@ impl NetlinkDeserializable for Raw {
 /// `mangle`, ...). One dump over every family, so the caller can tell cheaply whether running
 /// the iptables tools there is worth it.
 pub fn xtables_table_names(sock: &mut NetlinkSocket) -> Result<Vec<String>, NetlinkError> {
-    let request = || {
-        NetfilterMessage::new(
-            NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
-            NfTablesMessage::GetTable(TableMessage { attributes: vec![] }),
-        )
-    };
-    Ok(dump_retrying(sock, request)?
-        .into_iter()
-        .filter(|m| {
-            matches!(
-                m.header.family,
-                NetfilterProtoFamily::IPv4 | NetfilterProtoFamily::IPv6
-            )
-        })
-        .filter_map(|m| match m.inner {
-            netlink_packet_netfilter::NetfilterMessageInner::NfTables(
-                NfTablesMessage::NewTable(t),
-            ) => t.attributes.into_iter().find_map(|a| match a {
-                TableAttribute::Name(n) => Some(n),
-                _ => None,
-            }),
-            _ => None,
-        })
-        .collect())
+    // `nfgenmsg.nfgen_family` of each reply: NFPROTO_IPV4, NFPROTO_IPV6.
+    const XTABLES_FAMILIES: [u8; 2] = [2, 10];
+    let request = NfTablesMessage::GetTable(TableMessage { attributes: vec![] });
+    let mut names = Vec::new();
+    for payload in dump_raw_of(
+        sock,
+        NetfilterProtoFamily::Unspec,
+        request,
+        NFT_MSG_NEWTABLE,
+    )? {
+        if !payload
+            .first()
+            .is_some_and(|f| XTABLES_FAMILIES.contains(f))
+        {
+            continue;
+        }
+        if let Some(name) = message_attrs(&payload, "table")?.get(NFTA_TABLE_NAME) {
+            names.push(string_of(name));
+        }
+    }
+    Ok(names)
 }
 
 /// One `NFT_MSG_NEWRULE` payload as the kernel dumps it: the rule's table and the rule, or
 /// `None` when it names no table or chain. Public so the decoder can be fuzzed on its own.
-pub fn decode_rule(payload: &[u8]) -> Result<Option<(String, Rule)>, NetlinkError> {
-    // nfgenmsg (family, version, resource id), then the rule's attributes.
-    let attrs = payload.get(NFGENMSG_LEN..).and_then(nlas).ok_or_else(|| {
-        NetlinkError::Decode(format!("malformed rule message of {} bytes", payload.len()))
-    })?;
-    let text = |kind| {
-        attrs
-            .iter()
-            .find(|(k, _)| *k == kind)
-            .map(|(_, v)| string_of(v))
-    };
-    let (Some(table), Some(chain)) = (text(NFTA_RULE_TABLE), text(NFTA_RULE_CHAIN)) else {
+pub fn decode_rule(payload: &[u8]) -> Result<Option<(&str, Rule)>, NetlinkError> {
+    let attrs = message_attrs(payload, "rule")?;
+    let (Some(table), Some(chain)) = (attrs.get(NFTA_RULE_TABLE), attrs.get(NFTA_RULE_CHAIN))
+    else {
         return Ok(None);
     };
     let exprs = attrs
-        .iter()
-        .find(|(k, _)| *k == NFTA_RULE_EXPRESSIONS)
-        .map(|(_, v)| rule_from_wire(v))
+        .get(NFTA_RULE_EXPRESSIONS)
+        .map(rule_from_wire)
         .unwrap_or_default();
-    Ok(Some((table, Rule { chain, exprs })))
+    Ok(Some((
+        str_of(table),
+        Rule {
+            chain: string_of(chain),
+            exprs,
+        },
+    )))
 }
 
 /// One element of a set as the kernel dumps it: its key's bytes and its user data (libnftnl
@@ -441,33 +461,23 @@ pub fn decode_set_elements(payload: &[u8]) -> Result<Vec<SetElement>, NetlinkErr
             payload.len()
         ))
     };
-    let attrs = payload
-        .get(NFGENMSG_LEN..)
-        .and_then(nlas)
-        .ok_or_else(malformed)?;
+    let attrs = message_attrs(payload, "set element")?;
     let mut out = Vec::new();
     for (_, list) in attrs
         .iter()
         .filter(|(k, _)| *k == NFTA_SET_ELEM_LIST_ELEMENTS)
     {
-        let list = nlas(list).ok_or_else(malformed)?;
-        for (_, elem) in list.into_iter().filter(|(k, _)| *k == NFTA_LIST_ELEM) {
-            let elem = nlas(elem).ok_or_else(malformed)?;
+        let list = Nlas::parse(list).ok_or_else(malformed)?;
+        for (_, elem) in list.iter().filter(|(k, _)| *k == NFTA_LIST_ELEM) {
+            let elem = Nlas::parse(elem).ok_or_else(malformed)?;
             let key = elem
-                .iter()
-                .find(|(k, _)| *k == NFTA_SET_ELEM_KEY)
-                .map(|(_, v)| nlas(v).ok_or_else(malformed))
+                .get(NFTA_SET_ELEM_KEY)
+                .map(|v| Nlas::parse(v).ok_or_else(malformed))
                 .transpose()?
-                .and_then(|data| {
-                    data.into_iter()
-                        .find(|(k, _)| *k == NFTA_DATA_VALUE)
-                        .map(|(_, v)| v.to_vec())
-                });
+                .and_then(|data| data.get(NFTA_DATA_VALUE))
+                .map(<[u8]>::to_vec);
             let Some(key) = key else { continue };
-            let user_data = elem
-                .iter()
-                .find(|(k, _)| *k == NFTA_SET_ELEM_USERDATA)
-                .map(|(_, v)| v.to_vec());
+            let user_data = elem.get(NFTA_SET_ELEM_USERDATA).map(<[u8]>::to_vec);
             out.push(SetElement { key, user_data });
         }
     }
@@ -475,24 +485,24 @@ pub fn decode_set_elements(payload: &[u8]) -> Result<Vec<SetElement>, NetlinkErr
 }
 
 /// Reads the named inet tables (chains, sets and rules) from the kernel; absent tables are left
-/// out of the result. Rules come back grouped by chain, in evaluation order.
+/// out of the result. Rules come back grouped by chain, in evaluation order. Every dump is
+/// decoded by hand from the received bytes ([`Nlas`]): a restarted agent reads this back for
+/// every enrolled pod, and the netlink crate's owned attribute lists cost an allocation per
+/// attribute.
 pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, NetlinkError> {
     let mut tables: Vec<Table> = Vec::new();
-    for msg in dump(
-        sock,
-        NfTablesMessage::GetTable(TableMessage { attributes: vec![] }),
-    )? {
-        if let NfTablesMessage::NewTable(t) = msg {
-            let name = t.attributes.iter().find_map(|a| match a {
-                TableAttribute::Name(n) => Some(n.clone()),
-                _ => None,
+    let request = NfTablesMessage::GetTable(TableMessage { attributes: vec![] });
+    for payload in dump_raw(sock, request, NFT_MSG_NEWTABLE)? {
+        let attrs = message_attrs(&payload, "table")?;
+        if let Some(name) = attrs
+            .get(NFTA_TABLE_NAME)
+            .map(str_of)
+            .filter(|n| names.contains(n))
+        {
+            tables.push(Table {
+                name: name.to_string(),
+                ..Table::default()
             });
-            if let Some(name) = name.filter(|n| names.contains(&n.as_str())) {
-                tables.push(Table {
-                    name,
-                    ..Table::default()
-                });
-            }
         }
     }
     // Keep the caller's order so renderings are stable.
@@ -500,83 +510,69 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     if tables.is_empty() {
         return Ok(Ruleset { tables });
     }
+    let find = |tables: &mut Vec<Table>, name: Option<&[u8]>| -> Option<usize> {
+        let name = str_of(name?);
+        tables.iter().position(|t| t.name == name)
+    };
 
-    for msg in dump(
-        sock,
-        NfTablesMessage::GetChain(ChainMessage { attributes: vec![] }),
-    )? {
-        let NfTablesMessage::NewChain(c) = msg else {
+    let request = NfTablesMessage::GetChain(ChainMessage { attributes: vec![] });
+    for payload in dump_raw(sock, request, NFT_MSG_NEWCHAIN)? {
+        let attrs = message_attrs(&payload, "chain")?;
+        let (Some(t), Some(name)) = (
+            find(&mut tables, attrs.get(NFTA_CHAIN_TABLE)),
+            attrs.get(NFTA_CHAIN_NAME),
+        ) else {
             continue;
         };
-        let (mut table, mut name, mut hook, mut prio, mut kind) = (None, None, None, None, None);
-        for a in c.attributes {
-            match a {
-                ChainAttribute::Table(t) => table = Some(t),
-                ChainAttribute::Name(n) => name = Some(n),
-                ChainAttribute::Type(t) => kind = Some(t),
-                ChainAttribute::Hook(h) => {
-                    for x in h {
-                        match x {
-                            NlHook::Number(n) => hook = Some(u32::from(n)),
-                            NlHook::Priority(p) => prio = Some(p as i32),
-                            _ => {}
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        let (Some(table), Some(name)) = (table, name) else {
-            continue;
-        };
-        let Some(t) = tables.iter_mut().find(|t| t.name == table) else {
-            continue;
-        };
-        let base = match (hook, prio, kind) {
+        let hook = attrs.get(NFTA_CHAIN_HOOK).and_then(Nlas::parse);
+        let hook_u32 = |kind| hook.and_then(|h| be_u32(h.get(kind)?));
+        let base = match (
+            hook_u32(NFTA_HOOK_HOOKNUM),
+            hook_u32(NFTA_HOOK_PRIORITY),
+            attrs.get(NFTA_CHAIN_TYPE).map(str_of),
+        ) {
             (Some(h), Some(p), Some(k)) => Some(BaseChain {
                 // An unknown hook or type cannot be ours; render it as the closest so the
                 // drift shows the chain, and comparison fails as it should.
                 hook: Hook::from_number(h).unwrap_or(Hook::Forward),
-                kind: ChainType::from_name(&k).unwrap_or(ChainType::Filter),
-                priority: p,
+                kind: ChainType::from_name(k).unwrap_or(ChainType::Filter),
+                priority: p as i32,
             }),
             _ => None,
         };
-        t.chains.push(Chain { name, base });
+        tables[t].chains.push(Chain {
+            name: string_of(name),
+            base,
+        });
     }
 
-    for msg in dump(
-        sock,
-        NfTablesMessage::GetSet(SetMessage { attributes: vec![] }),
-    )? {
-        let NfTablesMessage::NewSet(s) = msg else {
+    let request = NfTablesMessage::GetSet(SetMessage { attributes: vec![] });
+    for payload in dump_raw(sock, request, NFT_MSG_NEWSET)? {
+        let attrs = message_attrs(&payload, "set")?;
+        let key = match attrs.get(NFTA_SET_KEY_TYPE).and_then(be_u32) {
+            Some(KEY_TYPE_IPV4) => SetKey::Ipv4Addr,
+            Some(KEY_TYPE_IPV6) => SetKey::Ipv6Addr,
+            _ => continue,
+        };
+        let (Some(t), Some(name)) = (
+            find(&mut tables, attrs.get(NFTA_SET_TABLE)),
+            attrs.get(NFTA_SET_NAME),
+        ) else {
             continue;
         };
-        let (mut table, mut name, mut key, mut comment) = (None, None, None, None);
-        for a in s.attributes {
-            match a {
-                SetAttribute::Table(t) => table = Some(t),
-                SetAttribute::Name(n) => name = Some(n),
-                SetAttribute::KeyType(KEY_TYPE_IPV4) => key = Some(SetKey::Ipv4Addr),
-                SetAttribute::KeyType(KEY_TYPE_IPV6) => key = Some(SetKey::Ipv6Addr),
-                SetAttribute::UserData(u) => {
-                    comment = find_tlv(&u, UDATA_SET_COMMENT).map(string_of)
-                }
-                _ => {}
-            }
-        }
-        if let (Some(table), Some(name), Some(key)) = (table, name, key)
-            && let Some(t) = tables.iter_mut().find(|t| t.name == table)
-        {
-            t.sets.push(Set { name, key, comment });
-        }
+        let comment = attrs
+            .get(NFTA_SET_USERDATA)
+            .and_then(|u| find_tlv(u, UDATA_SET_COMMENT))
+            .map(string_of);
+        tables[t].sets.push(Set {
+            name: string_of(name),
+            key,
+            comment,
+        });
     }
 
-    for payload in dump_raw(
-        sock,
-        NfTablesMessage::GetRule(RuleMessage { attributes: vec![] }),
-        NFT_MSG_NEWRULE,
-    )? {
+    let request = NfTablesMessage::GetRule(RuleMessage { attributes: vec![] });
+    for payload in dump_raw(sock, request, NFT_MSG_NEWRULE)? {
         if let Some((table, rule)) = decode_rule(&payload)?
             && let Some(t) = tables.iter_mut().find(|t| t.name == table)
         {
@@ -584,6 +580,24 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
         }
     }
     Ok(Ruleset { tables })
+}
+
+/// The attributes of one nf_tables message (after its `nfgenmsg`), or an error naming `what`.
+fn message_attrs<'a>(payload: &'a [u8], what: &str) -> Result<Nlas<'a>, NetlinkError> {
+    payload
+        .get(NFGENMSG_LEN..)
+        .and_then(Nlas::parse)
+        .ok_or_else(|| {
+            NetlinkError::Decode(format!(
+                "malformed {what} message of {} bytes",
+                payload.len()
+            ))
+        })
+}
+
+/// A netlink `NLA_U32` in network byte order, as nf_tables sends its numbers.
+fn be_u32(value: &[u8]) -> Option<u32> {
+    Some(u32::from_be_bytes(value.get(..4)?.try_into().ok()?))
 }
 
 /// Whether the ipset `name` exists in the socket's namespace, asked over nfnetlink's ipset
