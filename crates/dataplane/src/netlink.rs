@@ -362,6 +362,48 @@ fn ext_ack_text(flags: u16, raw: &[u8]) -> Option<String> {
     Some(String::from_utf8_lossy(text).into_owned())
 }
 
+/// A request in a netlink crate's types (`R`) whose replies stay bytes, for [`Nlas`] to read;
+/// or a message built by hand, sent as its bytes.
+#[derive(Debug)]
+pub(crate) enum Raw<R> {
+    Typed(R),
+    Bytes { message_type: u16, payload: Vec<u8> },
+}
+
+impl<R: NetlinkSerializable> NetlinkSerializable for Raw<R> {
+    fn message_type(&self) -> u16 {
+        match self {
+            Raw::Typed(m) => m.message_type(),
+            Raw::Bytes { message_type, .. } => *message_type,
+        }
+    }
+
+    fn buffer_len(&self) -> usize {
+        match self {
+            Raw::Typed(m) => m.buffer_len(),
+            Raw::Bytes { payload, .. } => payload.len(),
+        }
+    }
+
+    fn serialize(&self, buffer: &mut [u8]) {
+        match self {
+            Raw::Typed(m) => m.serialize(buffer),
+            Raw::Bytes { payload, .. } => buffer.copy_from_slice(payload),
+        }
+    }
+}
+
+impl<R> NetlinkDeserializable for Raw<R> {
+    type Error = std::convert::Infallible;
+
+    fn deserialize(header: &NetlinkHeader, payload: &[u8]) -> Result<Self, Self::Error> {
+        Ok(Raw::Bytes {
+            message_type: header.message_type,
+            payload: payload.to_vec(),
+        })
+    }
+}
+
 /// One netlink attribute stream, checked once to be well formed and then read in place: no
 /// list of attributes is built, since a rule read back walks several streams per expression and
 /// on the agent's static build every allocation takes musl's global lock. Read by hand: the

@@ -211,6 +211,24 @@ impl NftablesBackend {
     }
 }
 
+/// Calls `f` with the in-pod rule set of `cfg`, built once per thread for the settings last
+/// asked for there: a restart or a drift pass verifies every pod, nearly all against the
+/// node's settings, and building the model costs as many allocations as half of reading the
+/// pod's tables back.
+fn with_desired<T>(cfg: &InpodConfig, f: impl FnOnce(&Ruleset) -> T) -> T {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(InpodConfig, Ruleset)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| {
+        if last.as_ref().is_none_or(|(for_cfg, _)| for_cfg != cfg) {
+            *last = Some((cfg.clone(), inpod_ruleset(cfg)));
+        }
+        let (_, desired) = last.as_ref().expect("just set");
+        f(desired)
+    })
+}
+
 impl InpodRules for NftablesBackend {
     fn name(&self) -> &'static str {
         BACKEND
@@ -230,7 +248,7 @@ impl InpodRules for NftablesBackend {
         if actual.tables.is_empty() {
             return Ok(RuleState::Absent);
         }
-        let (missing, unexpected) = diff(&inpod_ruleset(cfg), &actual);
+        let (missing, unexpected) = with_desired(cfg, |desired| diff(desired, &actual));
         if missing.is_empty() && unexpected.is_empty() {
             Ok(RuleState::InSync)
         } else {

@@ -7,9 +7,7 @@
 
 use cni_core::redirect::consts::{MARK_MASK, ROUTE_TABLE, RULE_PRIORITY, TPROXY_MARK};
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
-use netlink_packet_route::link::{
-    AfSpecInet6, AfSpecUnspec, LinkAttribute, LinkFlags, LinkMessage,
-};
+use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
 use netlink_packet_route::route::{
     RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
@@ -17,8 +15,30 @@ use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::constants::NETLINK_ROUTE;
 
-use crate::netlink::{NetlinkError, NetlinkSocket};
+use crate::netlink::{NetlinkError, NetlinkSocket, Nlas, Raw};
 use crate::netns::{Netns, NetnsError};
+
+// Message types, header sizes and attribute types from <linux/rtnetlink.h>, <linux/if_link.h>
+// and <linux/fib_rules.h>.
+const RTM_NEWLINK: u16 = 16;
+const RTM_NEWROUTE: u16 = 24;
+const RTM_NEWRULE: u16 = 32;
+/// `struct ifinfomsg`; the interface index is its second field, at bytes 4..8.
+const IFINFOMSG_LEN: usize = 16;
+/// `struct rtmsg`: family, dst_len (byte 1), src_len, tos, table (byte 4), protocol, scope,
+/// type (byte 7), flags.
+const RTMSG_LEN: usize = 12;
+/// `struct fib_rule_hdr`: family, dst_len, src_len, tos, table (byte 4), two reserved, action,
+/// flags.
+const FIB_RULE_HDR_LEN: usize = 12;
+const IFLA_IFNAME: u16 = 3;
+const IFLA_AF_SPEC: u16 = 26;
+const RTA_OIF: u16 = 4;
+const RTA_TABLE: u16 = 15;
+const FRA_PRIORITY: u16 = 6;
+const FRA_FWMARK: u16 = 10;
+const FRA_TABLE: u16 = 15;
+const FRA_FWMASK: u16 = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
@@ -201,7 +221,12 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
                 msg.header.table = policy.table as u8;
                 msg.attributes.push(RouteAttribute::Table(policy.table));
             }
-            let routes = match dump(&mut sock, RouteNetlinkMessage::GetRoute(msg), "list routes") {
+            let routes = match dump(
+                &mut sock,
+                RouteNetlinkMessage::GetRoute(msg),
+                RTM_NEWROUTE,
+                "list routes",
+            ) {
                 // A filtered dump of a table that does not exist (no route of ours yet).
                 Err(RouteError::Netlink { source, .. })
                     if by_table && source.errno() == Some(libc::ENOENT) =>
@@ -210,18 +235,18 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
                 }
                 other => other?,
             };
-            if routes.iter().any(
-                |m| matches!(m, RouteNetlinkMessage::NewRoute(r) if is_our_route(r, lo.index, policy)),
-            ) {
+            if routes.iter().any(|r| is_our_route(r, lo.index, policy)) {
                 present.push(route);
             }
             let mut msg = RuleMessage::default();
             msg.header.family = family;
-            let rules = dump(&mut sock, RouteNetlinkMessage::GetRule(msg), "list rules")?;
-            if rules
-                .iter()
-                .any(|m| matches!(m, RouteNetlinkMessage::NewRule(r) if is_our_rule(r, policy)))
-            {
+            let rules = dump(
+                &mut sock,
+                RouteNetlinkMessage::GetRule(msg),
+                RTM_NEWRULE,
+                "list rules",
+            )?;
+            if rules.iter().any(|r| is_our_rule(r, policy)) {
                 present.push(rule);
             }
         }
@@ -240,16 +265,19 @@ fn open() -> Result<NetlinkSocket, RouteError> {
     })
 }
 
+/// A dump whose replies of type `reply` are returned undecoded: the pod's checks read a few
+/// fields of them, and the netlink crate's messages cost an allocation per attribute.
 fn dump(
     sock: &mut NetlinkSocket,
     msg: RouteNetlinkMessage,
+    reply: u16,
     what: &str,
-) -> Result<Vec<RouteNetlinkMessage>, RouteError> {
+) -> Result<Vec<Vec<u8>>, RouteError> {
     // A concurrent change makes the kernel flag the dump; a few retries always get a clean one.
     let mut last = None;
     for _ in 0..5 {
-        match sock.dump(msg.clone()) {
-            Ok(v) => return Ok(v),
+        match sock.dump(Raw::Typed(msg.clone())) {
+            Ok(v) => return Ok(payloads(v, reply)),
             Err(NetlinkError::DumpInterrupted) => last = Some(NetlinkError::DumpInterrupted),
             Err(source) => {
                 return Err(RouteError::Netlink {
@@ -263,6 +291,20 @@ fn dump(
         what: what.into(),
         source: last.expect("loop ran"),
     })
+}
+
+/// The bytes of the replies of type `reply`.
+fn payloads(replies: Vec<Raw<RouteNetlinkMessage>>, reply: u16) -> Vec<Vec<u8>> {
+    replies
+        .into_iter()
+        .filter_map(|m| match m {
+            Raw::Bytes {
+                message_type,
+                payload,
+            } if message_type == reply => Some(payload),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The namespace's `lo`: its index, and whether it has IPv6.
@@ -279,41 +321,40 @@ struct Loopback {
 fn loopback(sock: &mut NetlinkSocket) -> Result<Loopback, RouteError> {
     let mut msg = LinkMessage::default();
     msg.attributes.push(LinkAttribute::IfName("lo".into()));
-    let links = match sock.get(RouteNetlinkMessage::GetLink(msg)) {
+    let links = match sock.get(Raw::Typed(RouteNetlinkMessage::GetLink(msg))) {
         Err(e) if e.errno() == Some(libc::ENODEV) => return Err(RouteError::NoLoopback),
         other => other.map_err(|source| RouteError::Netlink {
             what: "get lo".into(),
             source,
         })?,
     };
-    links
+    payloads(links, RTM_NEWLINK)
         .iter()
-        .find_map(|m| match m {
-            RouteNetlinkMessage::NewLink(l)
-                if l.attributes
-                    .iter()
-                    .any(|a| matches!(a, LinkAttribute::IfName(n) if n == "lo")) =>
-            {
-                Some(Loopback {
-                    index: l.header.index,
-                    ipv6: !ipv6_disabled(&l.attributes),
-                })
-            }
-            _ => None,
+        .find_map(|link| {
+            let attrs = Nlas::parse(link.get(IFINFOMSG_LEN..)?)?;
+            (attrs.get(IFLA_IFNAME)? == b"lo\0").then(|| Loopback {
+                index: u32::from_ne_bytes(link[4..8].try_into().expect("4 bytes")),
+                ipv6: !ipv6_disabled(attrs),
+            })
         })
         .ok_or(RouteError::NoLoopback)
 }
 
-fn ipv6_disabled(attrs: &[LinkAttribute]) -> bool {
-    attrs.iter().any(|a| match a {
-        LinkAttribute::AfSpecUnspec(specs) => specs.iter().any(|s| match s {
-            AfSpecUnspec::Inet6(inet6) => inet6
-                .iter()
-                .any(|i| matches!(i, AfSpecInet6::DevConf(c) if c.disable_ipv6 == 1)),
-            _ => false,
-        }),
-        _ => false,
-    })
+/// `disable_ipv6` of the link's inet6 devconf (`IFLA_AF_SPEC` → `AF_INET6` →
+/// `IFLA_INET6_CONF`, an array of the sysctls as `s32`).
+fn ipv6_disabled(link: Nlas<'_>) -> bool {
+    const AF_INET6: u16 = libc::AF_INET6 as u16;
+    const IFLA_INET6_CONF: u16 = 2;
+    /// `DEVCONF_DISABLE_IPV6`, the sysctl's index in the array.
+    const DEVCONF_DISABLE_IPV6: usize = 26;
+    let conf = link
+        .get(IFLA_AF_SPEC)
+        .and_then(Nlas::parse)
+        .and_then(|spec| spec.get(AF_INET6))
+        .and_then(Nlas::parse)
+        .and_then(|inet6| inet6.get(IFLA_INET6_CONF));
+    conf.and_then(|c| c.get(DEVCONF_DISABLE_IPV6 * 4..DEVCONF_DISABLE_IPV6 * 4 + 4))
+        .is_some_and(|v| i32::from_ne_bytes(v.try_into().expect("4 bytes")) == 1)
 }
 
 fn set_up(sock: &mut NetlinkSocket, index: u32) -> Result<(), RouteError> {
@@ -353,41 +394,41 @@ fn rule_msg(family: AddressFamily, policy: &Policy) -> RuleMessage {
     msg
 }
 
-fn is_our_route(r: &RouteMessage, lo: u32, policy: &Policy) -> bool {
-    let table = r
-        .attributes
-        .iter()
-        .find_map(|a| {
-            if let RouteAttribute::Table(t) = a {
-                Some(*t)
-            } else {
-                None
-            }
-        })
-        .unwrap_or(u32::from(r.header.table));
+/// Whether an `RTM_NEWROUTE` payload (`struct rtmsg`, then attributes) is the policy's local
+/// route: type local, default destination, out through `lo`, in the policy's table.
+fn is_our_route(route: &[u8], lo: u32, policy: &Policy) -> bool {
+    const RTN_LOCAL: u8 = 2;
+    let Some(attrs) = route.get(RTMSG_LEN..).and_then(Nlas::parse) else {
+        return false;
+    };
+    // The table in the header is 8 bits; RTA_TABLE has the full id.
+    let table = attrs
+        .get(RTA_TABLE)
+        .and_then(ne_u32)
+        .unwrap_or(u32::from(route[4]));
     table == policy.table
-        && r.header.kind == RouteType::Local
-        && r.header.destination_prefix_length == 0
-        && r.attributes.contains(&RouteAttribute::Oif(lo))
+        && route[7] == RTN_LOCAL
+        && route[1] == 0
+        && attrs.get(RTA_OIF).and_then(ne_u32) == Some(lo)
 }
 
-fn is_our_rule(r: &RuleMessage, policy: &Policy) -> bool {
-    let has = |want: RuleAttribute| r.attributes.contains(&want);
-    let table = r
-        .attributes
-        .iter()
-        .find_map(|a| {
-            if let RuleAttribute::Table(t) = a {
-                Some(*t)
-            } else {
-                None
-            }
-        })
-        .unwrap_or(u32::from(r.header.table));
+/// Whether an `RTM_NEWRULE` payload (`struct fib_rule_hdr`, then attributes) is the policy's
+/// mark rule.
+fn is_our_rule(rule: &[u8], policy: &Policy) -> bool {
+    let Some(attrs) = rule.get(FIB_RULE_HDR_LEN..).and_then(Nlas::parse) else {
+        return false;
+    };
+    let value = |kind| attrs.get(kind).and_then(ne_u32);
+    let table = value(FRA_TABLE).unwrap_or(u32::from(rule[4]));
     table == policy.table
-        && has(RuleAttribute::FwMark(policy.mark))
-        && has(RuleAttribute::FwMask(policy.mask))
-        && has(RuleAttribute::Priority(policy.priority))
+        && value(FRA_FWMARK) == Some(policy.mark)
+        && value(FRA_FWMASK) == Some(policy.mask)
+        && value(FRA_PRIORITY) == Some(policy.priority)
+}
+
+/// An `NLA_U32` in host byte order, as rtnetlink sends its numbers.
+fn ne_u32(value: &[u8]) -> Option<u32> {
+    Some(u32::from_ne_bytes(value.get(..4)?.try_into().ok()?))
 }
 
 fn family_of(piece: RoutePiece) -> AddressFamily {

@@ -17,7 +17,7 @@ use netlink_packet_netfilter::none::ControlMessage;
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 
 use super::expr::{rule_from_wire, rule_to_netlink};
-use crate::netlink::{NetlinkError, NetlinkSocket, Nlas};
+use crate::netlink::{NetlinkError, NetlinkSocket, Nlas, Raw};
 
 /// `NFNL_SUBSYS_NFTABLES`: batch begin/end name the subsystem they wrap in `res_id`.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -315,7 +315,7 @@ fn dump_raw_of(
     reply: u16,
 ) -> Result<Vec<Vec<u8>>, NetlinkError> {
     let request = || {
-        Raw::Request(NetfilterMessage::new(
+        Raw::Typed(NetfilterMessage::new(
             NetfilterHeader::new(family, 0, 0),
             msg.clone(),
         ))
@@ -325,54 +325,13 @@ fn dump_raw_of(
     Ok(replies
         .into_iter()
         .filter_map(|m| match m {
-            Raw::Reply {
+            Raw::Bytes {
                 message_type,
                 payload,
             } if message_type == wanted => Some(payload),
             _ => None,
         })
         .collect())
-}
-
-/// A request in the crate's types whose replies stay bytes.
-#[derive(Debug)]
-enum Raw {
-    Request(NetfilterMessage),
-    Reply { message_type: u16, payload: Vec<u8> },
-}
-
-impl NetlinkSerializable for Raw {
-    fn message_type(&self) -> u16 {
-        match self {
-            Raw::Request(m) => m.message_type(),
-            Raw::Reply { message_type, .. } => *message_type,
-        }
-    }
-
-    fn buffer_len(&self) -> usize {
-        match self {
-            Raw::Request(m) => m.buffer_len(),
-            Raw::Reply { payload, .. } => payload.len(),
-        }
-    }
-
-    fn serialize(&self, buffer: &mut [u8]) {
-        match self {
-            Raw::Request(m) => m.serialize(buffer),
-            Raw::Reply { payload, .. } => buffer.copy_from_slice(payload),
-        }
-    }
-}
-
-impl NetlinkDeserializable for Raw {
-    type Error = std::convert::Infallible;
-
-    fn deserialize(header: &NetlinkHeader, payload: &[u8]) -> Result<Self, Self::Error> {
-        Ok(Raw::Reply {
-            message_type: header.message_type,
-            payload: payload.to_vec(),
-        })
-    }
 }
 
 /// Names of the ip and ip6 tables in the namespace: where iptables-nft keeps its rules (`nat`,
@@ -622,7 +581,7 @@ pub fn ipset_exists(sock: &mut NetlinkSocket, name: &str) -> Option<bool> {
     let mut payload = vec![libc::AF_INET as u8, 0, 0, 0];
     attr(&mut payload, IPSET_ATTR_PROTOCOL, &[IPSET_PROTOCOL_MIN]);
     attr(&mut payload, IPSET_ATTR_SETNAME, &nul_terminated(name));
-    let request = Raw::Reply {
+    let request = Raw::<NetfilterMessage>::Bytes {
         message_type: (NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_HEADER,
         payload,
     };
