@@ -1,12 +1,50 @@
 //! Per-pod cost of enroll (routes + rules), verify and unenroll, for each backend, on an empty
-//! node and with 250 pods already programmed. Needs root. `cargo bench -p dataplane`
-//! (`INPOD_BENCH_SAMPLES`, `INPOD_BENCH_BACKGROUND` adjust the sizes).
+//! node and with 250 pods already programmed: time, and the allocations each makes. Needs
+//! root. `cargo bench -p dataplane` (`INPOD_BENCH_SAMPLES`, `INPOD_BENCH_BACKGROUND` adjust the
+//! sizes).
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cni_core::redirect::InpodConfig;
 use dataplane::test_support::TestNetns;
 use dataplane::{BackendOptions, backend, pod};
+
+/// The system allocator, counting allocations: their number per operation is the part of its
+/// cost that machine load cannot blur, and on musl (the agent's static build) each one takes a
+/// global lock.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// `f`'s result and the allocations (and reallocations) it made.
+fn counted<T>(f: impl FnOnce() -> T) -> (T, u64) {
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let out = f();
+    (out, ALLOCATIONS.load(Ordering::Relaxed) - before)
+}
 
 fn stats(mut v: Vec<Duration>) -> String {
     v.sort();
@@ -16,6 +54,11 @@ fn stats(mut v: Vec<Duration>) -> String {
         pick(0.5).as_secs_f64() * 1e3,
         pick(0.99).as_secs_f64() * 1e3
     )
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -41,30 +84,38 @@ fn main() {
                 pod::enroll(&ns.open(), &cfg, b.as_ref()).expect("background enroll");
             }
             let (mut apply, mut verify, mut remove) = (Vec::new(), Vec::new(), Vec::new());
+            let mut allocs = [Vec::new(), Vec::new(), Vec::new()];
             // One warm-up pod so one-time costs (variant canonical form, module loads) are excluded.
             for i in 0..=samples {
                 let ns = TestNetns::new("bench");
                 let netns = ns.open();
                 let t = Instant::now();
-                pod::enroll(&netns, &cfg, b.as_ref()).expect("enroll");
+                let ((), a_allocs) =
+                    counted(|| pod::enroll(&netns, &cfg, b.as_ref()).expect("enroll"));
                 let a = t.elapsed();
                 let t = Instant::now();
-                let state = pod::verify(&netns, &cfg, b.as_ref()).expect("verify");
+                let (state, v_allocs) =
+                    counted(|| pod::verify(&netns, &cfg, b.as_ref()).expect("verify"));
                 let v = t.elapsed();
                 assert_eq!(state, dataplane::inpod::RuleState::InSync);
                 let t = Instant::now();
-                pod::unenroll(&netns, &cfg, b.as_ref()).expect("unenroll");
+                let ((), r_allocs) =
+                    counted(|| pod::unenroll(&netns, &cfg, b.as_ref()).expect("unenroll"));
                 let r = t.elapsed();
                 if i > 0 {
                     apply.push(a);
                     verify.push(v);
                     remove.push(r);
+                    for (all, n) in allocs.iter_mut().zip([a_allocs, v_allocs, r_allocs]) {
+                        all.push(n);
+                    }
                 }
             }
             println!("{name:<8} with {pods_before:>3} pods programmed, {samples} samples:");
-            println!("  apply  {}", stats(apply));
-            println!("  verify {}", stats(verify));
-            println!("  remove {}", stats(remove));
+            let [a_allocs, v_allocs, r_allocs] = allocs.map(median);
+            println!("  apply  {}  {a_allocs:>5} allocations", stats(apply));
+            println!("  verify {}  {v_allocs:>5} allocations", stats(verify));
+            println!("  remove {}  {r_allocs:>5} allocations", stats(remove));
         }
     }
     sandbox_cost(samples * 4);
@@ -85,29 +136,41 @@ fn leftover_check_cost(samples: usize) {
         .variant;
     let other_variant = IptablesLeftovers::other_than(variant);
     let (mut on_nft, mut on_ipt) = (Vec::new(), Vec::new());
-    for (name, times) in [("nftables", &mut on_nft), ("iptables", &mut on_ipt)] {
+    let (mut allocs_nft, mut allocs_ipt) = (Vec::new(), Vec::new());
+    for (name, times, allocs) in [
+        ("nftables", &mut on_nft, &mut allocs_nft),
+        ("iptables", &mut on_ipt, &mut allocs_ipt),
+    ] {
         let b = backend(name, &BackendOptions::default()).expect("backend");
         let ns = TestNetns::new("bench-left");
         let netns = ns.open();
         pod::enroll(&netns, &cfg, b.as_ref()).expect("enroll");
         for _ in 0..samples {
             let t = Instant::now();
-            let found = if name == "nftables" {
-                previous.in_pod(&netns).expect("iptables check")
-            } else {
-                nft_in_pod(&netns).expect("nftables check")
-                    || other_variant.in_pod(&netns).expect("other variant check")
-            };
+            let (found, n) = counted(|| {
+                if name == "nftables" {
+                    previous.in_pod(&netns).expect("iptables check")
+                } else {
+                    nft_in_pod(&netns).expect("nftables check")
+                        || other_variant.in_pod(&netns).expect("other variant check")
+                }
+            });
             times.push(t.elapsed());
+            allocs.push(n);
             assert!(!found, "{name} pod has no rules of the other backend");
         }
     }
     println!("previous-backend check in an enrolled pod, {samples} samples:");
-    println!("  nftables node (iptables gates) {}", stats(on_nft));
     println!(
-        "  iptables node (nftables read, {} gate) {}",
+        "  nftables node (iptables gates) {}  {:>5} allocations",
+        stats(on_nft),
+        median(allocs_nft)
+    );
+    println!(
+        "  iptables node (nftables read, {} gate) {}  {:>5} allocations",
         other_variant.names(),
-        stats(on_ipt)
+        stats(on_ipt),
+        median(allocs_ipt)
     );
 }
 
