@@ -2,6 +2,7 @@
 //! kube-rs watchers, plus the one write the agent makes (the redirection annotation on
 //! `pods/status`). Watch errors are retried with backoff by the watcher and logged, never dropped.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, LockResult, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -13,6 +14,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event as WatchEvent, watcher};
+use serde_json::value::RawValue;
 use tokio::sync::futures::Notified;
 use tokio::sync::{Notify, mpsc};
 
@@ -124,34 +126,112 @@ pub struct CachedPod {
     sidecar: Option<Box<(Option<PodSpec>, Option<PodStatus>)>>,
 }
 
-impl From<Pod> for CachedPod {
-    fn from(pod: Pod) -> Self {
-        let Pod {
+/// A pod as the agent's watch and reads decode it: metadata in full, spec and status kept as
+/// their JSON text. The agent reads four fields of them for nearly every pod, and decoding the
+/// whole of both into `k8s_openapi` types (every container, env var, volume and condition, each
+/// string an allocation) was most of decoding a list, to be dropped right after. Only a sidecar
+/// pod's spec and status are decoded whole.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct WirePod {
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    spec: Option<Box<RawValue>>,
+    #[serde(default)]
+    status: Option<Box<RawValue>>,
+}
+
+impl kube::Resource for WirePod {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        <Pod as kube::Resource>::kind(dt)
+    }
+    fn group(dt: &()) -> Cow<'_, str> {
+        <Pod as kube::Resource>::group(dt)
+    }
+    fn version(dt: &()) -> Cow<'_, str> {
+        <Pod as kube::Resource>::version(dt)
+    }
+    fn plural(dt: &()) -> Cow<'_, str> {
+        <Pod as kube::Resource>::plural(dt)
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// The fields of `spec` every pod is read for; serde skips the rest without building it.
+#[derive(Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecFacts {
+    host_network: Option<bool>,
+    service_account_name: Option<String>,
+}
+
+/// The fields of `status` every pod is read for.
+#[derive(Default, serde::Deserialize)]
+struct StatusFacts {
+    phase: Option<String>,
+    #[serde(rename = "podIP")]
+    pod_ip: Option<String>,
+    #[serde(rename = "podIPs")]
+    pod_ips: Option<Vec<PodIpFact>>,
+}
+
+#[derive(serde::Deserialize)]
+struct PodIpFact {
+    ip: String,
+}
+
+/// `raw` decoded as `T`; the API server's JSON always is, so a failure is logged and read as
+/// absent rather than losing the pod's other facts.
+fn decode<T: serde::de::DeserializeOwned>(raw: Option<&RawValue>, meta: &ObjectMeta) -> Option<T> {
+    let raw = raw?;
+    serde_json::from_str(raw.get())
+        .inspect_err(|e| {
+            tracing::error!(
+                pod = %format!("{}/{}", meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default()),
+                error = %e,
+                "cannot decode the pod's spec or status"
+            )
+        })
+        .ok()
+}
+
+impl From<WirePod> for CachedPod {
+    fn from(pod: WirePod) -> Self {
+        let WirePod {
             mut metadata,
             spec,
             status,
         } = pod;
         metadata.managed_fields = None;
-        let mut cached = CachedPod {
-            host_network: spec.as_ref().and_then(|s| s.host_network).unwrap_or(false),
-            service_account: spec.as_ref().and_then(|s| s.service_account_name.clone()),
-            terminal: matches!(
-                status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            ),
-            ips: pod_ips(status.as_ref()),
-            sidecar: None,
-            metadata,
-        };
-        let sidecar = cached
-            .metadata
+        let sidecar = metadata
             .annotations
             .as_ref()
-            .is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION));
-        if sidecar {
-            cached.sidecar = Some(Box::new((spec, status)));
+            .is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION))
+            .then(|| {
+                let spec: Option<PodSpec> = decode(spec.as_deref(), &metadata);
+                let status: Option<PodStatus> = decode(status.as_deref(), &metadata);
+                Box::new((spec, status))
+            });
+        let facts: SpecFacts = decode(spec.as_deref(), &metadata).unwrap_or_default();
+        let state: StatusFacts = decode(status.as_deref(), &metadata).unwrap_or_default();
+        CachedPod {
+            host_network: facts.host_network.unwrap_or(false),
+            service_account: facts.service_account_name,
+            terminal: matches!(state.phase.as_deref(), Some("Succeeded" | "Failed")),
+            ips: ips_of(
+                state.pod_ips.iter().flatten().map(|ip| ip.ip.as_str()),
+                state.pod_ip.as_deref(),
+            ),
+            sidecar,
+            metadata,
         }
-        cached
     }
 }
 
@@ -160,21 +240,19 @@ pub fn pod_ips(status: Option<&PodStatus>) -> Vec<IpAddr> {
     let Some(status) = status else {
         return Vec::new();
     };
-    let ips: Vec<IpAddr> = status
-        .pod_ips
-        .iter()
-        .flatten()
-        .filter_map(|ip| ip.ip.parse().ok())
-        .collect();
+    ips_of(
+        status.pod_ips.iter().flatten().map(|ip| ip.ip.as_str()),
+        status.pod_ip.as_deref(),
+    )
+}
+
+/// The parsed `podIPs`, else `podIP`.
+fn ips_of<'a>(pod_ips: impl Iterator<Item = &'a str>, pod_ip: Option<&str>) -> Vec<IpAddr> {
+    let ips: Vec<IpAddr> = pod_ips.filter_map(|ip| ip.parse().ok()).collect();
     if !ips.is_empty() {
         return ips;
     }
-    status
-        .pod_ip
-        .as_deref()
-        .and_then(|ip| ip.parse().ok())
-        .into_iter()
-        .collect()
+    pod_ip.and_then(|ip| ip.parse().ok()).into_iter().collect()
 }
 
 impl CachedPod {
@@ -224,7 +302,7 @@ pub fn spawn_watches(
     tx: mpsc::UnboundedSender<ClusterEvent>,
     synced: ReadyFlag,
 ) {
-    let pods = Api::<Pod>::all(client.clone());
+    let pods = Api::<WirePod>::all(client.clone());
     let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let (pods_synced_tx, pods_synced) = tokio::sync::oneshot::channel::<()>();
     let (ns_synced_tx, ns_synced) = tokio::sync::oneshot::channel::<()>();
@@ -359,8 +437,12 @@ impl Annotator {
     }
 
     /// Reads a pod straight from the API server (the CNI path when the watch has not seen it yet).
-    pub async fn get_pod(&self, namespace: &str, name: &str) -> Result<Option<Pod>, kube::Error> {
-        Api::<Pod>::namespaced(self.client.clone(), namespace)
+    pub async fn get_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<WirePod>, kube::Error> {
+        Api::<WirePod>::namespaced(self.client.clone(), namespace)
             .get_opt(name)
             .await
     }
@@ -380,21 +462,24 @@ mod tests {
     use super::*;
     use crate::ambient::mesh::workload_info;
 
-    fn pod(annotations: serde_json::Value) -> Pod {
-        serde_json::from_value(json!({
+    fn pod_json(annotations: serde_json::Value) -> serde_json::Value {
+        json!({
             "metadata": {"namespace": "ns", "name": "p", "uid": "u1", "annotations": annotations,
                          "labels": {"app": "a"}, "managedFields": [{"manager": "kubelet"}]},
             "spec": {"hostNetwork": true, "serviceAccountName": "sa",
                      "containers": [{"name": "app", "image": "app:1", "ports": [{"containerPort": 8080}]}]},
             "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}],
                        "conditions": [{"type": "Ready", "status": "True"}]}
-        }))
-        .unwrap()
+        })
+    }
+
+    fn cached(pod: serde_json::Value) -> CachedPod {
+        CachedPod::from(serde_json::from_value::<WirePod>(pod).unwrap())
     }
 
     #[test]
     fn a_cached_pod_keeps_what_enrollment_reads() {
-        let cached = CachedPod::from(pod(json!({"ambient.istio.io/redirection": "enabled"})));
+        let cached = cached(pod_json(json!({"ambient.istio.io/redirection": "enabled"})));
         assert!(cached.metadata.managed_fields.is_none());
         assert!(cached.sidecar_pod().is_none());
         let f = facts(&cached);
@@ -408,22 +493,33 @@ mod tests {
 
     #[test]
     fn pod_ip_stands_in_for_missing_pod_ips_and_finished_phases_are_terminal() {
-        let mut whole = pod(json!({}));
-        let status = whole.status.as_mut().unwrap();
-        status.pod_ips = None;
-        status.phase = Some("Failed".into());
-        let cached = CachedPod::from(whole);
+        let mut whole = pod_json(json!({}));
+        whole["status"]["podIPs"] = serde_json::Value::Null;
+        whole["status"]["phase"] = json!("Failed");
+        let cached = cached(whole);
         assert_eq!(cached.ips, vec!["10.0.0.5".parse::<IpAddr>().unwrap()]);
         assert!(cached.terminal);
     }
 
     #[test]
+    fn a_pod_without_spec_or_status_is_cached_with_neither() {
+        let mut bare = pod_json(json!({}));
+        bare.as_object_mut().unwrap().remove("spec");
+        bare["status"] = serde_json::Value::Null;
+        let cached = cached(bare);
+        assert!(!cached.host_network && !cached.terminal);
+        assert_eq!(cached.service_account, None);
+        assert!(cached.ips.is_empty());
+    }
+
+    #[test]
     fn a_sidecar_pod_is_cached_whole_but_for_managed_fields() {
-        let whole = pod(json!({"sidecar.istio.io/status": "{}"}));
-        let cached = CachedPod::from(whole.clone()).sidecar_pod().unwrap();
-        assert!(cached.metadata.managed_fields.is_none());
-        assert_eq!(cached.metadata.labels, whole.metadata.labels);
-        assert_eq!(cached.spec, whole.spec);
-        assert_eq!(cached.status, whole.status);
+        let json = pod_json(json!({"sidecar.istio.io/status": "{}"}));
+        let whole: Pod = serde_json::from_value(json.clone()).unwrap();
+        let kept = cached(json).sidecar_pod().unwrap();
+        assert!(kept.metadata.managed_fields.is_none());
+        assert_eq!(kept.metadata.labels, whole.metadata.labels);
+        assert_eq!(kept.spec, whole.spec);
+        assert_eq!(kept.status, whole.status);
     }
 }

@@ -218,10 +218,10 @@ pub fn router(server: Arc<CniServer>) -> Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::Pod;
+    use crate::ambient::cluster::WirePod;
 
     fn pod(namespace: &str, name: &str) -> Arc<CachedPod> {
-        let pod: Pod = serde_json::from_value(serde_json::json!({
+        let pod: WirePod = serde_json::from_value(serde_json::json!({
             "metadata": {"namespace": namespace, "name": name, "uid": "u1"}
         }))
         .unwrap();
