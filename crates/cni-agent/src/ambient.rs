@@ -11,3 +11,4 @@ pub mod mesh;
 pub mod node;
 pub mod reconciler;
 pub mod upgrade;
+pub mod watched;

@@ -2,7 +2,6 @@
 //! kube-rs watchers, plus the one write the agent makes (the redirection annotation on
 //! `pods/status`). Watch errors are retried with backoff by the watcher and logged, never dropped.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, LockResult, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -14,13 +13,13 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event as WatchEvent, watcher};
-use serde_json::value::RawValue;
 use tokio::sync::futures::Notified;
 use tokio::sync::{Notify, mpsc};
 
 use cni_core::enroll::{Labels, PodView, SIDECAR_STATUS_ANNOTATION};
 use cni_core::reconcile::{PodFacts, REDIRECTION_ANNOTATION, Redirection};
 
+use super::watched::WirePod;
 use crate::http::ReadyFlag;
 
 /// `namespace/name`
@@ -110,10 +109,10 @@ pub enum ClusterEvent {
 /// What the agent keeps of a pod. Hundreds of pods per node are kept for the agent's life, and of
 /// most the agent reads only metadata, `hostNetwork`, the service account, whether the pod finished
 /// and its IPs: the rest of spec and status (containers, volumes, conditions, container statuses)
-/// is dropped, and so is the room `Pod` reserves for them (2 KiB of empty fields per pod, most of
-/// a loaded agent's pod cache). A sidecar pod keeps its whole spec and status, as the plugin
-/// programs its rules from the pod it is handed. `managedFields` (server-side apply bookkeeping,
-/// often a third of a pod) goes from every pod.
+/// is never decoded ([`WirePod`]), and the room `Pod` reserves for them (2 KiB of empty fields
+/// per pod, most of a loaded agent's pod cache) is not kept. A sidecar pod keeps its whole spec
+/// and status, as the plugin programs its rules from the pod it is handed. No pod has
+/// `managedFields` (server-side apply bookkeeping, often a third of a pod).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CachedPod {
     pub metadata: ObjectMeta,
@@ -126,111 +125,25 @@ pub struct CachedPod {
     sidecar: Option<Box<(Option<PodSpec>, Option<PodStatus>)>>,
 }
 
-/// A pod as the agent's watch and reads decode it: metadata in full, spec and status kept as
-/// their JSON text. The agent reads four fields of them for nearly every pod, and decoding the
-/// whole of both into `k8s_openapi` types (every container, env var, volume and condition, each
-/// string an allocation) was most of decoding a list, to be dropped right after. Only a sidecar
-/// pod's spec and status are decoded whole.
-#[derive(Clone, Debug, serde::Deserialize)]
-pub struct WirePod {
-    pub metadata: ObjectMeta,
-    #[serde(default)]
-    spec: Option<Box<RawValue>>,
-    #[serde(default)]
-    status: Option<Box<RawValue>>,
-}
-
-impl kube::Resource for WirePod {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(dt: &()) -> Cow<'_, str> {
-        <Pod as kube::Resource>::kind(dt)
-    }
-    fn group(dt: &()) -> Cow<'_, str> {
-        <Pod as kube::Resource>::group(dt)
-    }
-    fn version(dt: &()) -> Cow<'_, str> {
-        <Pod as kube::Resource>::version(dt)
-    }
-    fn plural(dt: &()) -> Cow<'_, str> {
-        <Pod as kube::Resource>::plural(dt)
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
-
-/// The fields of `spec` every pod is read for; serde skips the rest without building it.
-#[derive(Default, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct SpecFacts {
-    host_network: Option<bool>,
-    service_account_name: Option<String>,
-}
-
-/// The fields of `status` every pod is read for.
-#[derive(Default, serde::Deserialize)]
-struct StatusFacts {
-    phase: Option<String>,
-    #[serde(rename = "podIP")]
-    pod_ip: Option<String>,
-    #[serde(rename = "podIPs")]
-    pod_ips: Option<Vec<PodIpFact>>,
-}
-
-#[derive(serde::Deserialize)]
-struct PodIpFact {
-    ip: String,
-}
-
-/// `raw` decoded as `T`; the API server's JSON always is, so a failure is logged and read as
-/// absent rather than losing the pod's other facts.
-fn decode<T: serde::de::DeserializeOwned>(raw: Option<&RawValue>, meta: &ObjectMeta) -> Option<T> {
-    let raw = raw?;
-    serde_json::from_str(raw.get())
-        .inspect_err(|e| {
-            tracing::error!(
-                pod = %format!("{}/{}", meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default()),
-                error = %e,
-                "cannot decode the pod's spec or status"
-            )
-        })
-        .ok()
-}
-
 impl From<WirePod> for CachedPod {
     fn from(pod: WirePod) -> Self {
-        let WirePod {
-            mut metadata,
-            spec,
-            status,
-        } = pod;
-        metadata.managed_fields = None;
-        let sidecar = metadata
+        let sidecar = pod
+            .metadata
             .annotations
             .as_ref()
             .is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION))
-            .then(|| {
-                let spec: Option<PodSpec> = decode(spec.as_deref(), &metadata);
-                let status: Option<PodStatus> = decode(status.as_deref(), &metadata);
-                Box::new((spec, status))
-            });
-        let facts: SpecFacts = decode(spec.as_deref(), &metadata).unwrap_or_default();
-        let state: StatusFacts = decode(status.as_deref(), &metadata).unwrap_or_default();
+            .then(|| Box::new(pod.spec_and_status()));
+        let (spec, status) = (pod.spec_facts(), pod.status_facts());
         CachedPod {
-            host_network: facts.host_network.unwrap_or(false),
-            service_account: facts.service_account_name,
-            terminal: matches!(state.phase.as_deref(), Some("Succeeded" | "Failed")),
+            host_network: spec.host_network.unwrap_or(false),
+            service_account: spec.service_account_name,
+            terminal: matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")),
             ips: ips_of(
-                state.pod_ips.iter().flatten().map(|ip| ip.ip.as_str()),
-                state.pod_ip.as_deref(),
+                status.pod_ips.iter().flatten().map(|ip| ip.ip.as_str()),
+                status.pod_ip.as_deref(),
             ),
             sidecar,
-            metadata,
+            metadata: pod.metadata,
         }
     }
 }

@@ -218,7 +218,7 @@ pub fn router(server: Arc<CniServer>) -> Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ambient::cluster::WirePod;
+    use crate::ambient::watched::WirePod;
 
     fn pod(namespace: &str, name: &str) -> Arc<CachedPod> {
         let pod: WirePod = serde_json::from_value(serde_json::json!({
