@@ -67,6 +67,9 @@ thread_local! {
     static RECV: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 const NLMSGERR_ATTR_MSG: u16 = 1;
+// Netlink control message types (<linux/netlink.h>).
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
 
 impl NetlinkSocket {
     /// Opens a socket in the calling thread's network namespace.
@@ -130,6 +133,27 @@ impl NetlinkSocket {
     where
         T: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
+        let replies = self.dump_raw(payload, |_| true)?;
+        replies
+            .iter()
+            .map(|(message_type, payload)| {
+                let mut header = NetlinkHeader::default();
+                header.message_type = message_type;
+                T::deserialize(&header, payload).map_err(|e| NetlinkError::Decode(e.to_string()))
+            })
+            .collect()
+    }
+
+    /// Sends a dump request and keeps, undecoded, every reply whose message type `keep`
+    /// accepts, until `NLMSG_DONE`.
+    pub fn dump_raw<T>(
+        &mut self,
+        payload: T,
+        keep: impl Fn(u16) -> bool,
+    ) -> Result<Payloads, NetlinkError>
+    where
+        T: NetlinkSerializable + Debug,
+    {
         let mut header = NetlinkHeader::default();
         header.flags = NLM_F_REQUEST | NLM_F_DUMP;
         let seq = self.alloc_seq();
@@ -138,30 +162,41 @@ impl NetlinkSocket {
             header,
             NetlinkPayload::InnerMessage(payload),
         )])?;
-        let mut out = Vec::new();
-        let mut interrupted = false;
-        loop {
-            for (msg, ext_ack) in self.recv::<T>()? {
-                if msg.header.sequence_number != seq {
-                    continue;
+        let mut out = Payloads::default();
+        let (mut interrupted, mut done) = (false, false);
+        while !done {
+            self.recv_each(|msg| {
+                let field = |at: usize| u16::from_ne_bytes([msg[at], msg[at + 1]]);
+                let (message_type, flags) = (field(4), field(6));
+                if done || u32::from_ne_bytes(msg[8..12].try_into().expect("4 bytes")) != seq {
+                    return Ok(());
                 }
-                interrupted |= msg.header.flags & NLM_F_DUMP_INTR != 0;
-                match msg.payload {
-                    NetlinkPayload::InnerMessage(m) => out.push(m),
-                    NetlinkPayload::Done(_) => {
-                        return if interrupted {
-                            Err(NetlinkError::DumpInterrupted)
-                        } else {
-                            Ok(out)
-                        };
+                interrupted |= flags & NLM_F_DUMP_INTR != 0;
+                match message_type {
+                    NLMSG_DONE => done = true,
+                    NLMSG_ERROR => {
+                        // struct nlmsgerr: the error code, then the request it answers.
+                        let code = msg
+                            .get(16..20)
+                            .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
+                        if code != 0 {
+                            return Err(NetlinkError::Kernel {
+                                index: 0,
+                                source: io::Error::from_raw_os_error(-code),
+                                ext_ack: ext_ack_text(flags, msg),
+                            });
+                        }
                     }
-                    NetlinkPayload::Error(e) if e.code.is_some() => {
-                        return Err(kernel_error(0, &e, ext_ack));
-                    }
+                    t if keep(t) => out.push(t, &msg[16..]),
                     _ => {}
                 }
-            }
+                Ok(())
+            })?;
         }
+        if interrupted {
+            return Err(NetlinkError::DumpInterrupted);
+        }
+        Ok(out)
     }
 
     /// Sends `msgs` in one datagram (a netfilter batch, or several route requests) and waits until
@@ -246,13 +281,47 @@ impl NetlinkSocket {
     where
         T: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
-        RECV.with_borrow_mut(|buf| self.recv_into(buf))
+        let mut out = Vec::new();
+        self.recv_each(|bytes| {
+            let msg = NetlinkMessage::<T>::deserialize(bytes)
+                .map_err(|e| NetlinkError::Decode(e.to_string()))?;
+            let ext_ack = match msg.payload {
+                NetlinkPayload::Error(ref e) if e.code.is_some() => {
+                    ext_ack_text(msg.header.flags, bytes)
+                }
+                _ => None,
+            };
+            out.push((msg, ext_ack));
+            Ok(())
+        })?;
+        Ok(out)
     }
 
-    fn recv_into<T>(&mut self, buf: &mut Vec<u8>) -> Result<Vec<Received<T>>, NetlinkError>
-    where
-        T: NetlinkSerializable + NetlinkDeserializable + Debug,
-    {
+    /// Reads one datagram and hands each message in it, header included, to `each`.
+    fn recv_each(
+        &mut self,
+        mut each: impl FnMut(&[u8]) -> Result<(), NetlinkError>,
+    ) -> Result<(), NetlinkError> {
+        RECV.with_borrow_mut(|buf| {
+            self.recv_datagram(buf)?;
+            let mut off = 0;
+            while off + 16 <= buf.len() {
+                let len =
+                    u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes")) as usize;
+                if len < 16 || off + len > buf.len() {
+                    return Err(NetlinkError::Decode(format!(
+                        "bad message length {len} at offset {off}"
+                    )));
+                }
+                each(&buf[off..off + len])?;
+                off += (len + 3) & !3;
+            }
+            Ok(())
+        })
+    }
+
+    /// Reads one datagram into `buf`, whole however long.
+    fn recv_datagram(&mut self, buf: &mut Vec<u8>) -> Result<(), NetlinkError> {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&self.socket);
         let read = |buf: &mut Vec<u8>, len: usize, flags: libc::c_int| loop {
             buf.clear();
@@ -280,28 +349,7 @@ impl NetlinkSocket {
                 "datagram of {n} bytes truncated"
             )));
         }
-        let mut out = Vec::new();
-        let mut off = 0;
-        while off + 16 <= buf.len() {
-            let len = u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes")) as usize;
-            if len < 16 || off + len > buf.len() {
-                return Err(NetlinkError::Decode(format!(
-                    "bad message length {len} at offset {off}"
-                )));
-            }
-            let bytes = &buf[off..off + len];
-            let msg = NetlinkMessage::<T>::deserialize(bytes)
-                .map_err(|e| NetlinkError::Decode(e.to_string()))?;
-            let ext_ack = match msg.payload {
-                NetlinkPayload::Error(ref e) if e.code.is_some() => {
-                    ext_ack_text(msg.header.flags, bytes)
-                }
-                _ => None,
-            };
-            out.push((msg, ext_ack));
-            off += (len + 3) & !3;
-        }
-        Ok(out)
+        Ok(())
     }
 
     fn nothing_queued(&self) -> Result<bool, NetlinkError> {
@@ -360,6 +408,32 @@ fn ext_ack_text(flags: u16, raw: &[u8]) -> Option<String> {
     let text = tlvs.get(NLMSGERR_ATTR_MSG)?;
     let text = text.split(|b| *b == 0).next().unwrap_or_default();
     Some(String::from_utf8_lossy(text).into_owned())
+}
+
+/// The replies of a dump, undecoded, each with its message type. One buffer holds them all:
+/// reading a pod's rules back is a dump per object kind, and a buffer per reply was an
+/// allocation per rule.
+#[derive(Default)]
+pub struct Payloads {
+    bytes: Vec<u8>,
+    ends: Vec<(u16, usize)>,
+}
+
+impl Payloads {
+    fn push(&mut self, message_type: u16, payload: &[u8]) {
+        self.bytes.extend_from_slice(payload);
+        self.ends.push((message_type, self.bytes.len()));
+    }
+
+    /// Each reply's message type and payload (after the netlink header), in order.
+    pub fn iter(&self) -> impl Iterator<Item = (u16, &[u8])> {
+        let mut start = 0;
+        self.ends.iter().map(move |&(message_type, end)| {
+            let payload = &self.bytes[start..end];
+            start = end;
+            (message_type, payload)
+        })
+    }
 }
 
 /// A request in a netlink crate's types (`R`) whose replies stay bytes, for [`Nlas`] to read;

@@ -15,7 +15,7 @@ use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::constants::NETLINK_ROUTE;
 
-use crate::netlink::{NetlinkError, NetlinkSocket, Nlas, Raw};
+use crate::netlink::{NetlinkError, NetlinkSocket, Nlas, Payloads, Raw};
 use crate::netns::{Netns, NetnsError};
 
 // Message types, header sizes and attribute types from <linux/rtnetlink.h>, <linux/if_link.h>
@@ -231,11 +231,14 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
                 Err(RouteError::Netlink { source, .. })
                     if by_table && source.errno() == Some(libc::ENOENT) =>
                 {
-                    Vec::new()
+                    Payloads::default()
                 }
                 other => other?,
             };
-            if routes.iter().any(|r| is_our_route(r, lo.index, policy)) {
+            if routes
+                .iter()
+                .any(|(_, r)| is_our_route(r, lo.index, policy))
+            {
                 present.push(route);
             }
             let mut msg = RuleMessage::default();
@@ -246,7 +249,7 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
                 RTM_NEWRULE,
                 "list rules",
             )?;
-            if rules.iter().any(|r| is_our_rule(r, policy)) {
+            if rules.iter().any(|(_, r)| is_our_rule(r, policy)) {
                 present.push(rule);
             }
         }
@@ -272,12 +275,12 @@ fn dump(
     msg: RouteNetlinkMessage,
     reply: u16,
     what: &str,
-) -> Result<Vec<Vec<u8>>, RouteError> {
+) -> Result<Payloads, RouteError> {
     // A concurrent change makes the kernel flag the dump; a few retries always get a clean one.
     let mut last = None;
     for _ in 0..5 {
-        match sock.dump(Raw::Typed(msg.clone())) {
-            Ok(v) => return Ok(payloads(v, reply)),
+        match sock.dump_raw(msg.clone(), |t| t == reply) {
+            Ok(v) => return Ok(v),
             Err(NetlinkError::DumpInterrupted) => last = Some(NetlinkError::DumpInterrupted),
             Err(source) => {
                 return Err(RouteError::Netlink {

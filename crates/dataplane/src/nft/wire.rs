@@ -5,8 +5,8 @@ use cni_core::redirect::nft::{
     BaseChain, Chain, ChainType, Hook, Rule, Ruleset, Set, SetKey, Table,
 };
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST, NetlinkDeserializable, NetlinkHeader,
-    NetlinkMessage, NetlinkPayload, NetlinkSerializable,
+    NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload,
 };
 use netlink_packet_netfilter::nftables::{
     ChainAttribute, ChainMessage, Hook as NlHook, HookNumber, InetHookNumber, NfTablesMessage,
@@ -17,7 +17,7 @@ use netlink_packet_netfilter::none::ControlMessage;
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 
 use super::expr::{rule_from_wire, rule_to_netlink};
-use crate::netlink::{NetlinkError, NetlinkSocket, Nlas, Raw};
+use crate::netlink::{NetlinkError, NetlinkSocket, Nlas, Payloads, Raw};
 
 /// `NFNL_SUBSYS_NFTABLES`: batch begin/end name the subsystem they wrap in `res_id`.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -279,59 +279,33 @@ pub(crate) fn string_of(value: &[u8]) -> String {
     String::from_utf8_lossy(&value[..end]).into_owned()
 }
 
-/// A dump, taken again when a concurrent change interrupted it.
-fn dump_retrying<T>(
-    sock: &mut NetlinkSocket,
-    request: impl Fn() -> T,
-) -> Result<Vec<T>, NetlinkError>
-where
-    T: NetlinkSerializable + NetlinkDeserializable + std::fmt::Debug,
-{
-    let mut tries = 0;
-    loop {
-        match sock.dump(request()) {
-            Err(NetlinkError::DumpInterrupted) if tries < 5 => tries += 1,
-            other => return other,
-        }
-    }
-}
-
 /// A dump of inet objects whose replies of type `reply` (an `NFT_MSG_*`) are returned
 /// undecoded, for [`Nlas`] to read: see there why.
 fn dump_raw(
     sock: &mut NetlinkSocket,
     msg: NfTablesMessage,
     reply: u16,
-) -> Result<Vec<Vec<u8>>, NetlinkError> {
+) -> Result<Payloads, NetlinkError> {
     dump_raw_of(sock, NetfilterProtoFamily::Inet, msg, reply)
 }
 
 /// [`dump_raw`] of the objects of `family` (`Unspec`: of every family, each reply's
-/// `nfgenmsg` naming its own).
+/// `nfgenmsg` naming its own), taken again when a concurrent change interrupted it.
 fn dump_raw_of(
     sock: &mut NetlinkSocket,
     family: NetfilterProtoFamily,
     msg: NfTablesMessage,
     reply: u16,
-) -> Result<Vec<Vec<u8>>, NetlinkError> {
-    let request = || {
-        Raw::Typed(NetfilterMessage::new(
-            NetfilterHeader::new(family, 0, 0),
-            msg.clone(),
-        ))
-    };
-    let replies = dump_retrying(sock, request)?;
+) -> Result<Payloads, NetlinkError> {
     let wanted = (NFNL_SUBSYS_NFTABLES << 8) | reply;
-    Ok(replies
-        .into_iter()
-        .filter_map(|m| match m {
-            Raw::Bytes {
-                message_type,
-                payload,
-            } if message_type == wanted => Some(payload),
-            _ => None,
-        })
-        .collect())
+    let mut tries = 0;
+    loop {
+        let request = NetfilterMessage::new(NetfilterHeader::new(family, 0, 0), msg.clone());
+        match sock.dump_raw(request, |t| t == wanted) {
+            Err(NetlinkError::DumpInterrupted) if tries < 5 => tries += 1,
+            other => return other,
+        }
+    }
 }
 
 /// Names of the ip and ip6 tables in the namespace: where iptables-nft keeps its rules (`nat`,
@@ -342,19 +316,21 @@ pub fn xtables_table_names(sock: &mut NetlinkSocket) -> Result<Vec<String>, Netl
     const XTABLES_FAMILIES: [u8; 2] = [2, 10];
     let request = NfTablesMessage::GetTable(TableMessage { attributes: vec![] });
     let mut names = Vec::new();
-    for payload in dump_raw_of(
+    for (_, payload) in dump_raw_of(
         sock,
         NetfilterProtoFamily::Unspec,
         request,
         NFT_MSG_NEWTABLE,
-    )? {
+    )?
+    .iter()
+    {
         if !payload
             .first()
             .is_some_and(|f| XTABLES_FAMILIES.contains(f))
         {
             continue;
         }
-        if let Some(name) = message_attrs(&payload, "table")?.get(NFTA_TABLE_NAME) {
+        if let Some(name) = message_attrs(payload, "table")?.get(NFTA_TABLE_NAME) {
             names.push(string_of(name));
         }
     }
@@ -405,8 +381,8 @@ pub fn read_set_elements(
         ],
     });
     let mut out = Vec::new();
-    for payload in dump_raw(sock, request, NFT_MSG_NEWSETELEM)? {
-        out.extend(decode_set_elements(&payload)?);
+    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWSETELEM)?.iter() {
+        out.extend(decode_set_elements(payload)?);
     }
     Ok(out)
 }
@@ -451,8 +427,8 @@ pub fn decode_set_elements(payload: &[u8]) -> Result<Vec<SetElement>, NetlinkErr
 pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, NetlinkError> {
     let mut tables: Vec<Table> = Vec::new();
     let request = NfTablesMessage::GetTable(TableMessage { attributes: vec![] });
-    for payload in dump_raw(sock, request, NFT_MSG_NEWTABLE)? {
-        let attrs = message_attrs(&payload, "table")?;
+    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWTABLE)?.iter() {
+        let attrs = message_attrs(payload, "table")?;
         if let Some(name) = attrs
             .get(NFTA_TABLE_NAME)
             .map(str_of)
@@ -475,8 +451,8 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     };
 
     let request = NfTablesMessage::GetChain(ChainMessage { attributes: vec![] });
-    for payload in dump_raw(sock, request, NFT_MSG_NEWCHAIN)? {
-        let attrs = message_attrs(&payload, "chain")?;
+    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWCHAIN)?.iter() {
+        let attrs = message_attrs(payload, "chain")?;
         let (Some(t), Some(name)) = (
             find(&mut tables, attrs.get(NFTA_CHAIN_TABLE)),
             attrs.get(NFTA_CHAIN_NAME),
@@ -506,8 +482,8 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     }
 
     let request = NfTablesMessage::GetSet(SetMessage { attributes: vec![] });
-    for payload in dump_raw(sock, request, NFT_MSG_NEWSET)? {
-        let attrs = message_attrs(&payload, "set")?;
+    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWSET)?.iter() {
+        let attrs = message_attrs(payload, "set")?;
         let key = match attrs.get(NFTA_SET_KEY_TYPE).and_then(be_u32) {
             Some(KEY_TYPE_IPV4) => SetKey::Ipv4Addr,
             Some(KEY_TYPE_IPV6) => SetKey::Ipv6Addr,
@@ -531,8 +507,8 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     }
 
     let request = NfTablesMessage::GetRule(RuleMessage { attributes: vec![] });
-    for payload in dump_raw(sock, request, NFT_MSG_NEWRULE)? {
-        if let Some((table, rule)) = decode_rule(&payload)?
+    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWRULE)?.iter() {
+        if let Some((table, rule)) = decode_rule(payload)?
             && let Some(t) = tables.iter_mut().find(|t| t.name == table)
         {
             t.rules.push(rule);
