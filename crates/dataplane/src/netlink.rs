@@ -412,11 +412,47 @@ fn ext_ack_text(flags: u16, raw: &[u8]) -> Option<String> {
 
 /// The replies of a dump, undecoded, each with its message type. One buffer holds them all:
 /// reading a pod's rules back is a dump per object kind, and a buffer per reply was an
-/// allocation per rule.
-#[derive(Default)]
+/// allocation per rule. The buffers are the thread's, kept between dumps: a pod's rules dump
+/// to kilobytes, and musl maps an allocation that size on its own and unmaps it when freed, a
+/// shootdown of the other CPUs' TLBs each time, several times per namespace a restart checks.
 pub struct Payloads {
     bytes: Vec<u8>,
     ends: Vec<(u16, usize)>,
+}
+
+/// The two buffers of a [`Payloads`]: bytes, and each reply's type and end.
+type PayloadBuffers = (Vec<u8>, Vec<(u16, usize)>);
+
+thread_local! {
+    static SPARE_PAYLOADS: std::cell::Cell<PayloadBuffers> =
+        const { std::cell::Cell::new((Vec::new(), Vec::new())) };
+}
+
+impl Default for Payloads {
+    fn default() -> Self {
+        let (bytes, ends) = SPARE_PAYLOADS.take();
+        Payloads { bytes, ends }
+    }
+}
+
+impl Drop for Payloads {
+    fn drop(&mut self) {
+        let (mut bytes, mut ends) = (
+            std::mem::take(&mut self.bytes),
+            std::mem::take(&mut self.ends),
+        );
+        bytes.clear();
+        ends.clear();
+        // One set of buffers per thread, the larger if two dumps were alive at once.
+        SPARE_PAYLOADS.with(|spare| {
+            let kept = spare.take();
+            spare.set(if kept.0.capacity() >= bytes.capacity() {
+                kept
+            } else {
+                (bytes, ends)
+            });
+        });
+    }
 }
 
 impl Payloads {
