@@ -259,6 +259,35 @@ mod tests {
     }
 
     #[test]
+    fn lists_and_watch_events_decode_as_the_client_reads_them() {
+        // The client decodes text; a list's `kind` and `apiVersion` go through serde's flatten
+        // and a watch event is tagged, either of which would break raw values if they were
+        // buffered rather than read in place.
+        let pod = r#"{"metadata": {"name": "p", "resourceVersion": "8",
+                                   "managedFields": [{"manager": "m", "fieldsV1": {"f:spec": {}}}]},
+                      "spec": {"hostNetwork": true, "containers": [{"name": "c"}]},
+                      "status": {"phase": "Running", "podIPs": [{"ip": "10.0.0.1"}]}}"#;
+        let list = format!(
+            r#"{{"kind": "PodList", "apiVersion": "v1", "metadata": {{"resourceVersion": "9"}},
+                "items": [{pod}]}}"#
+        );
+        let list: kube::core::ObjectList<WirePod> = serde_json::from_str(&list).unwrap();
+        let event = format!(r#"{{"type": "MODIFIED", "object": {pod}}}"#);
+        let kube::core::WatchEvent::Modified(watched) = serde_json::from_str(&event).unwrap()
+        else {
+            panic!("not a modification");
+        };
+        for pod in [&list.items[0], &watched] {
+            assert_eq!(pod.metadata.resource_version.as_deref(), Some("8"));
+            assert_eq!(pod.metadata.managed_fields, None);
+            assert_eq!(pod.spec_facts().host_network, Some(true));
+            let status = pod.status_facts();
+            assert_eq!(status.phase.as_deref(), Some("Running"));
+            assert_eq!(status.pod_ips.unwrap()[0].ip, "10.0.0.1");
+        }
+    }
+
+    #[test]
     fn metadata_that_is_not_an_object_is_an_error() {
         let err = serde_json::from_value::<WirePod>(json!({"metadata": ["p"]})).unwrap_err();
         assert!(err.to_string().contains("ObjectMeta"), "{err}");
