@@ -31,6 +31,8 @@ const RTMSG_LEN: usize = 12;
 /// `struct fib_rule_hdr`: family, dst_len, src_len, tos, table (byte 4), two reserved, action,
 /// flags.
 const FIB_RULE_HDR_LEN: usize = 12;
+const AF_INET: u8 = libc::AF_INET as u8;
+const AF_INET6: u8 = libc::AF_INET6 as u8;
 const IFLA_IFNAME: u16 = 3;
 const IFLA_AF_SPEC: u16 = 26;
 const RTA_OIF: u16 = 4;
@@ -199,57 +201,58 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
     netns.run(|| {
         let mut sock = open()?;
         let lo = loopback(&mut sock)?;
-        // With strict checking the kernel dumps only the policy's table rather than every route
-        // of the pod (its local and multicast routes are most of them), each parsed here.
+        // One dump of each kind for both families (`AF_UNSPEC`), told apart by the family byte
+        // that starts each reply: a restart reads this back for every pod. With strict checking
+        // the kernel dumps only the policy's table rather than every route of the pod (its local
+        // and multicast routes are most of them), and a family without that table is skipped.
         let by_table = sock.strict_check();
+        let mut msg = RouteMessage::default();
+        msg.header.address_family = AddressFamily::Unspec;
+        if by_table {
+            msg.header.table = policy.table as u8;
+            msg.attributes.push(RouteAttribute::Table(policy.table));
+        }
+        let routes = match dump(
+            &mut sock,
+            RouteNetlinkMessage::GetRoute(msg),
+            RTM_NEWROUTE,
+            "list routes",
+        ) {
+            // A filtered dump of a table that does not exist (kernels that report it).
+            Err(RouteError::Netlink { source, .. })
+                if by_table && source.errno() == Some(libc::ENOENT) =>
+            {
+                Payloads::default()
+            }
+            other => other?,
+        };
+        let rules = dump(
+            &mut sock,
+            RouteNetlinkMessage::GetRule(RuleMessage::default()),
+            RTM_NEWRULE,
+            "list rules",
+        )?;
         let mut present = Vec::new();
         for (family, route, rule) in [
-            (
-                AddressFamily::Inet,
-                RoutePiece::LocalRouteV4,
-                RoutePiece::MarkRuleV4,
-            ),
-            (
-                AddressFamily::Inet6,
-                RoutePiece::LocalRouteV6,
-                RoutePiece::MarkRuleV6,
-            ),
+            (AF_INET, RoutePiece::LocalRouteV4, RoutePiece::MarkRuleV4),
+            (AF_INET6, RoutePiece::LocalRouteV6, RoutePiece::MarkRuleV6),
         ] {
-            let mut msg = RouteMessage::default();
-            msg.header.address_family = family;
-            if by_table {
-                msg.header.table = policy.table as u8;
-                msg.attributes.push(RouteAttribute::Table(policy.table));
-            }
-            let routes = match dump(
-                &mut sock,
-                RouteNetlinkMessage::GetRoute(msg),
-                RTM_NEWROUTE,
-                "list routes",
-            ) {
-                // A filtered dump of a table that does not exist (no route of ours yet).
-                Err(RouteError::Netlink { source, .. })
-                    if by_table && source.errno() == Some(libc::ENOENT) =>
-                {
-                    Payloads::default()
-                }
-                other => other?,
-            };
+            // Both headers (rtmsg, fib_rule_hdr) start with the family.
+            let of_family = |m: &&[u8]| m.first() == Some(&family);
             if routes
                 .iter()
-                .any(|(_, r)| is_our_route(r, lo.index, policy))
+                .map(|(_, r)| r)
+                .filter(of_family)
+                .any(|r| is_our_route(r, lo.index, policy))
             {
                 present.push(route);
             }
-            let mut msg = RuleMessage::default();
-            msg.header.family = family;
-            let rules = dump(
-                &mut sock,
-                RouteNetlinkMessage::GetRule(msg),
-                RTM_NEWRULE,
-                "list rules",
-            )?;
-            if rules.iter().any(|(_, r)| is_our_rule(r, policy)) {
+            if rules
+                .iter()
+                .map(|(_, r)| r)
+                .filter(of_family)
+                .any(|r| is_our_rule(r, policy))
+            {
                 present.push(rule);
             }
         }
@@ -346,14 +349,13 @@ fn loopback(sock: &mut NetlinkSocket) -> Result<Loopback, RouteError> {
 /// `disable_ipv6` of the link's inet6 devconf (`IFLA_AF_SPEC` → `AF_INET6` →
 /// `IFLA_INET6_CONF`, an array of the sysctls as `s32`).
 fn ipv6_disabled(link: Nlas<'_>) -> bool {
-    const AF_INET6: u16 = libc::AF_INET6 as u16;
     const IFLA_INET6_CONF: u16 = 2;
     /// `DEVCONF_DISABLE_IPV6`, the sysctl's index in the array.
     const DEVCONF_DISABLE_IPV6: usize = 26;
     let conf = link
         .get(IFLA_AF_SPEC)
         .and_then(Nlas::parse)
-        .and_then(|spec| spec.get(AF_INET6))
+        .and_then(|spec| spec.get(u16::from(AF_INET6)))
         .and_then(Nlas::parse)
         .and_then(|inet6| inet6.get(IFLA_INET6_CONF));
     conf.and_then(|c| c.get(DEVCONF_DISABLE_IPV6 * 4..DEVCONF_DISABLE_IPV6 * 4 + 4))
