@@ -92,13 +92,7 @@ fn dump(
     msg: RouteNetlinkMessage,
     what: &str,
 ) -> Result<Vec<RouteNetlinkMessage>, BranchEniError> {
-    let mut tries = 0;
-    loop {
-        match sock.dump(msg.clone()) {
-            Err(NetlinkError::DumpInterrupted) if tries < 5 => tries += 1,
-            other => return other.map_err(netlink(what)),
-        }
-    }
+    sock.dump(msg).map_err(netlink(what))
 }
 
 fn rule_table(r: &RuleMessage) -> u32 {

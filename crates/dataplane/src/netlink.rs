@@ -131,7 +131,7 @@ impl NetlinkSocket {
     /// Sends a dump request and collects every reply until `NLMSG_DONE`.
     pub fn dump<T>(&mut self, payload: T) -> Result<Vec<T>, NetlinkError>
     where
-        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+        T: NetlinkSerializable + NetlinkDeserializable + Clone + Debug,
     {
         let replies = self.dump_raw(payload, |_| true)?;
         replies
@@ -145,8 +145,26 @@ impl NetlinkSocket {
     }
 
     /// Sends a dump request and keeps, undecoded, every reply whose message type `keep`
-    /// accepts, until `NLMSG_DONE`.
+    /// accepts, until `NLMSG_DONE`. A dump a concurrent change interrupted is taken again, a
+    /// few times: a consistent one always comes.
     pub fn dump_raw<T>(
+        &mut self,
+        payload: T,
+        keep: impl Fn(u16) -> bool,
+    ) -> Result<Payloads, NetlinkError>
+    where
+        T: NetlinkSerializable + Clone + Debug,
+    {
+        let mut tries = 0;
+        loop {
+            match self.dump_once(payload.clone(), &keep) {
+                Err(NetlinkError::DumpInterrupted) if tries < 5 => tries += 1,
+                other => return other,
+            }
+        }
+    }
+
+    fn dump_once<T>(
         &mut self,
         payload: T,
         keep: impl Fn(u16) -> bool,

@@ -279,24 +279,11 @@ fn dump(
     reply: u16,
     what: &str,
 ) -> Result<Payloads, RouteError> {
-    // A concurrent change makes the kernel flag the dump; a few retries always get a clean one.
-    let mut last = None;
-    for _ in 0..5 {
-        match sock.dump_raw(msg.clone(), |t| t == reply) {
-            Ok(v) => return Ok(v),
-            Err(NetlinkError::DumpInterrupted) => last = Some(NetlinkError::DumpInterrupted),
-            Err(source) => {
-                return Err(RouteError::Netlink {
-                    what: what.into(),
-                    source,
-                });
-            }
-        }
-    }
-    Err(RouteError::Netlink {
-        what: what.into(),
-        source: last.expect("loop ran"),
-    })
+    sock.dump_raw(msg, |t| t == reply)
+        .map_err(|source| RouteError::Netlink {
+            what: what.into(),
+            source,
+        })
 }
 
 /// The bytes of the replies of type `reply`.

@@ -290,7 +290,7 @@ fn dump_raw(
 }
 
 /// [`dump_raw`] of the objects of `family` (`Unspec`: of every family, each reply's
-/// `nfgenmsg` naming its own), taken again when a concurrent change interrupted it.
+/// `nfgenmsg` naming its own).
 fn dump_raw_of(
     sock: &mut NetlinkSocket,
     family: NetfilterProtoFamily,
@@ -298,14 +298,8 @@ fn dump_raw_of(
     reply: u16,
 ) -> Result<Payloads, NetlinkError> {
     let wanted = (NFNL_SUBSYS_NFTABLES << 8) | reply;
-    let mut tries = 0;
-    loop {
-        let request = NetfilterMessage::new(NetfilterHeader::new(family, 0, 0), msg.clone());
-        match sock.dump_raw(request, |t| t == wanted) {
-            Err(NetlinkError::DumpInterrupted) if tries < 5 => tries += 1,
-            other => return other,
-        }
-    }
+    let request = NetfilterMessage::new(NetfilterHeader::new(family, 0, 0), msg);
+    sock.dump_raw(request, |t| t == wanted)
 }
 
 /// Names of the ip and ip6 tables in the namespace: where iptables-nft keeps its rules (`nat`,
