@@ -23,6 +23,8 @@ use crate::netns::{Netns, NetnsError};
 const RTM_NEWLINK: u16 = 16;
 const RTM_NEWROUTE: u16 = 24;
 const RTM_NEWRULE: u16 = 32;
+/// `LOOPBACK_IFINDEX`: `lo`'s index in every network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
 /// `struct ifinfomsg`; the interface index is its second field, at bytes 4..8.
 const IFINFOMSG_LEN: usize = 16;
 /// `struct rtmsg`: family, dst_len (byte 1), src_len, tos, table (byte 4), protocol, scope,
@@ -200,7 +202,9 @@ pub fn read(netns: &Netns, ipv6: bool) -> Result<RouteState, RouteError> {
 pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteState, RouteError> {
     netns.run(|| {
         let mut sock = open()?;
-        let lo = loopback(&mut sock)?;
+        // Only `lo`'s IPv6 state needs asking, and only when IPv6 is wanted: its index is always
+        // the same (the kernel registers it first in every namespace and checks it got 1).
+        let lo_ipv6 = ipv6 && loopback(&mut sock)?.ipv6;
         // One dump of each kind for both families (`AF_UNSPEC`), told apart by the family byte
         // that starts each reply: a restart reads this back for every pod. With strict checking
         // the kernel dumps only the policy's table rather than every route of the pod (its local
@@ -243,7 +247,7 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
                 .iter()
                 .map(|(_, r)| r)
                 .filter(of_family)
-                .any(|r| is_our_route(r, lo.index, policy))
+                .any(|r| is_our_route(r, LOOPBACK_IFINDEX, policy))
             {
                 present.push(route);
             }
@@ -259,7 +263,7 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
         present.sort();
         Ok(RouteState {
             present,
-            desired: desired(ipv6, lo.ipv6),
+            desired: desired(ipv6, lo_ipv6),
         })
     })?
 }
@@ -550,6 +554,19 @@ mod tests {
             ""
         );
         assert_eq!(read(&netns, true).unwrap().present, []);
+    }
+
+    #[test]
+    fn lo_is_interface_one_in_a_new_namespace() {
+        crate::require_root!();
+        let ns = TestNetns::new("lo-index");
+        let lo = ns
+            .open()
+            .run(|| loopback(&mut open().unwrap()).map(|lo| lo.index))
+            .unwrap()
+            .unwrap();
+        // The read of a pod's routes relies on it.
+        assert_eq!(lo, LOOPBACK_IFINDEX);
     }
 
     #[test]
