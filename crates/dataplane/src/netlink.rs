@@ -573,6 +573,20 @@ impl<'a> Nlas<'a> {
     pub(crate) fn get(self, kind: u16) -> Option<&'a [u8]> {
         self.iter().find(|(k, _)| *k == kind).map(|(_, v)| v)
     }
+
+    /// The first attribute of type `kind` as an `NLA_U32` in network byte order (nf_tables).
+    pub(crate) fn get_u32_be(self, kind: u16) -> Option<u32> {
+        Some(u32::from_be_bytes(
+            self.get(kind)?.get(..4)?.try_into().ok()?,
+        ))
+    }
+
+    /// The first attribute of type `kind` as an `NLA_U32` in host byte order (rtnetlink).
+    pub(crate) fn get_u32_ne(self, kind: u16) -> Option<u32> {
+        Some(u32::from_ne_bytes(
+            self.get(kind)?.get(..4)?.try_into().ok()?,
+        ))
+    }
 }
 
 #[cfg(test)]

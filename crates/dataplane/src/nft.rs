@@ -212,9 +212,9 @@ impl NftablesBackend {
 }
 
 /// Calls `f` with the in-pod rule set of `cfg`, built once per thread for the settings last
-/// asked for there: a restart or a drift pass verifies every pod, nearly all against the
-/// node's settings, and building the model costs as many allocations as half of reading the
-/// pod's tables back.
+/// asked for there: enrollments, a restart and a drift pass all work against the node's
+/// settings for nearly every pod, and building the model costs as many allocations as half of
+/// reading the pod's tables back.
 fn with_desired<T>(cfg: &InpodConfig, f: impl FnOnce(&Ruleset) -> T) -> T {
     thread_local! {
         static LAST: std::cell::RefCell<Option<(InpodConfig, Ruleset)>> =
@@ -239,7 +239,7 @@ impl InpodRules for NftablesBackend {
     }
 
     fn apply(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), RuleError> {
-        let batch = Self::apply_batch(&inpod_ruleset(cfg));
+        let batch = with_desired(cfg, Self::apply_batch);
         Ok(self.commit(netns, batch)?)
     }
 

@@ -398,14 +398,11 @@ fn is_our_route(route: &[u8], lo: u32, policy: &Policy) -> bool {
         return false;
     };
     // The table in the header is 8 bits; RTA_TABLE has the full id.
-    let table = attrs
-        .get(RTA_TABLE)
-        .and_then(ne_u32)
-        .unwrap_or(u32::from(route[4]));
+    let table = attrs.get_u32_ne(RTA_TABLE).unwrap_or(u32::from(route[4]));
     table == policy.table
         && route[7] == RTN_LOCAL
         && route[1] == 0
-        && attrs.get(RTA_OIF).and_then(ne_u32) == Some(lo)
+        && attrs.get_u32_ne(RTA_OIF) == Some(lo)
 }
 
 /// Whether an `RTM_NEWRULE` payload (`struct fib_rule_hdr`, then attributes) is the policy's
@@ -414,17 +411,12 @@ fn is_our_rule(rule: &[u8], policy: &Policy) -> bool {
     let Some(attrs) = rule.get(FIB_RULE_HDR_LEN..).and_then(Nlas::parse) else {
         return false;
     };
-    let value = |kind| attrs.get(kind).and_then(ne_u32);
+    let value = |kind| attrs.get_u32_ne(kind);
     let table = value(FRA_TABLE).unwrap_or(u32::from(rule[4]));
     table == policy.table
         && value(FRA_FWMARK) == Some(policy.mark)
         && value(FRA_FWMASK) == Some(policy.mask)
         && value(FRA_PRIORITY) == Some(policy.priority)
-}
-
-/// An `NLA_U32` in host byte order, as rtnetlink sends its numbers.
-fn ne_u32(value: &[u8]) -> Option<u32> {
-    Some(u32::from_ne_bytes(value.get(..4)?.try_into().ok()?))
 }
 
 fn family_of(piece: RoutePiece) -> AddressFamily {

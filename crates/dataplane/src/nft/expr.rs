@@ -830,12 +830,6 @@ const NFT_CMP_NEQ: u32 = 1;
 /// `NFT_REG_VERDICT`: an immediate loaded here is a verdict.
 const NFT_REG_VERDICT: u32 = 0;
 
-fn attr_u32(attrs: Nlas<'_>, kind: u16) -> Option<u32> {
-    Some(u32::from_be_bytes(
-        attrs.get(kind)?.get(..4)?.try_into().ok()?,
-    ))
-}
-
 /// The `NFTA_DATA_VALUE` inside a nested data attribute.
 fn data_value(nested: &[u8]) -> Option<Bytes> {
     Nlas::parse(nested)?
@@ -848,7 +842,7 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
     let has = |kind: u16| a.get(kind).is_some();
     Some(match name {
         "meta" => {
-            let key = attr_u32(a, NFTA_META_KEY)?;
+            let key = a.get_u32_be(NFTA_META_KEY)?;
             if has(NFTA_META_SREG) {
                 Low::MetaSet { key }
             } else {
@@ -856,7 +850,7 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
             }
         }
         "cmp" => Low::Cmp {
-            op: match attr_u32(a, NFTA_CMP_OP)? {
+            op: match a.get_u32_be(NFTA_CMP_OP)? {
                 NFT_CMP_EQ => CmpOp::Eq,
                 NFT_CMP_NEQ => CmpOp::Ne,
                 _ => return None,
@@ -864,9 +858,9 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
             data: data_value(a.get(NFTA_CMP_DATA)?)?,
         },
         "payload" if has(NFTA_PAYLOAD_DREG) => Low::Payload {
-            base: attr_u32(a, NFTA_PAYLOAD_BASE)?,
-            offset: attr_u32(a, NFTA_PAYLOAD_OFFSET)?,
-            len: attr_u32(a, NFTA_PAYLOAD_LEN)?,
+            base: a.get_u32_be(NFTA_PAYLOAD_BASE)?,
+            offset: a.get_u32_be(NFTA_PAYLOAD_OFFSET)?,
+            len: a.get_u32_be(NFTA_PAYLOAD_LEN)?,
         },
         "bitwise" => Low::Bitwise {
             mask: data_value(a.get(NFTA_BITWISE_MASK)?)?,
@@ -877,10 +871,10 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
         },
         "immediate" => {
             let data = Nlas::parse(a.get(NFTA_IMMEDIATE_DATA)?)?;
-            if attr_u32(a, NFTA_IMMEDIATE_DREG)? == NFT_REG_VERDICT {
+            if a.get_u32_be(NFTA_IMMEDIATE_DREG)? == NFT_REG_VERDICT {
                 let v = Nlas::parse(data.get(NFTA_DATA_VERDICT)?)?;
                 Low::Verdict {
-                    code: attr_u32(v, NFTA_VERDICT_CODE)?,
+                    code: v.get_u32_be(NFTA_VERDICT_CODE)?,
                     chain: v.get(NFTA_VERDICT_CHAIN).map(super::wire::string_of),
                 }
             } else {
@@ -891,7 +885,7 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
         }
         "counter" => Low::Counter,
         "ct" => match (
-            attr_u32(a, NFTA_CT_KEY)?,
+            a.get_u32_be(NFTA_CT_KEY)?,
             has(NFTA_CT_DREG),
             has(NFTA_CT_SREG),
         ) {
@@ -901,10 +895,10 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
         },
         "redir" if has(NFTA_REDIR_REG_PROTO_MIN) => Low::Redir,
         "tproxy" if has(NFTA_TPROXY_REG_PORT) => Low::Tproxy {
-            family: attr_u32(a, NFTA_TPROXY_FAMILY)? as u8,
+            family: a.get_u32_be(NFTA_TPROXY_FAMILY)? as u8,
         },
-        "nat" if attr_u32(a, NFTA_NAT_TYPE)? == NAT_SNAT => Low::Snat {
-            family: attr_u32(a, NFTA_NAT_FAMILY)? as u8,
+        "nat" if a.get_u32_be(NFTA_NAT_TYPE)? == NAT_SNAT => Low::Snat {
+            family: a.get_u32_be(NFTA_NAT_FAMILY)? as u8,
         },
         _ => return None,
     })

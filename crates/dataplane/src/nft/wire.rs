@@ -439,7 +439,7 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     if tables.is_empty() {
         return Ok(Ruleset { tables });
     }
-    let find = |tables: &mut Vec<Table>, name: Option<&[u8]>| -> Option<usize> {
+    let find = |tables: &[Table], name: Option<&[u8]>| -> Option<usize> {
         let name = str_of(name?);
         tables.iter().position(|t| t.name == name)
     };
@@ -448,13 +448,13 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWCHAIN)?.iter() {
         let attrs = message_attrs(payload, "chain")?;
         let (Some(t), Some(name)) = (
-            find(&mut tables, attrs.get(NFTA_CHAIN_TABLE)),
+            find(&tables, attrs.get(NFTA_CHAIN_TABLE)),
             attrs.get(NFTA_CHAIN_NAME),
         ) else {
             continue;
         };
         let hook = attrs.get(NFTA_CHAIN_HOOK).and_then(Nlas::parse);
-        let hook_u32 = |kind| hook.and_then(|h| be_u32(h.get(kind)?));
+        let hook_u32 = |kind| hook.and_then(|h| h.get_u32_be(kind));
         let base = match (
             hook_u32(NFTA_HOOK_HOOKNUM),
             hook_u32(NFTA_HOOK_PRIORITY),
@@ -478,13 +478,13 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     let request = NfTablesMessage::GetSet(SetMessage { attributes: vec![] });
     for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWSET)?.iter() {
         let attrs = message_attrs(payload, "set")?;
-        let key = match attrs.get(NFTA_SET_KEY_TYPE).and_then(be_u32) {
+        let key = match attrs.get_u32_be(NFTA_SET_KEY_TYPE) {
             Some(KEY_TYPE_IPV4) => SetKey::Ipv4Addr,
             Some(KEY_TYPE_IPV6) => SetKey::Ipv6Addr,
             _ => continue,
         };
         let (Some(t), Some(name)) = (
-            find(&mut tables, attrs.get(NFTA_SET_TABLE)),
+            find(&tables, attrs.get(NFTA_SET_TABLE)),
             attrs.get(NFTA_SET_NAME),
         ) else {
             continue;
@@ -522,11 +522,6 @@ fn message_attrs<'a>(payload: &'a [u8], what: &str) -> Result<Nlas<'a>, NetlinkE
                 payload.len()
             ))
         })
-}
-
-/// A netlink `NLA_U32` in network byte order, as nf_tables sends its numbers.
-fn be_u32(value: &[u8]) -> Option<u32> {
-    Some(u32::from_be_bytes(value.get(..4)?.try_into().ok()?))
 }
 
 /// Whether the ipset `name` exists in the socket's namespace, asked over nfnetlink's ipset
