@@ -221,6 +221,37 @@ fn drift_is_reported_readably_and_apply_restores() {
 }
 
 #[test]
+fn a_dormant_table_is_drift_and_apply_wakes_it() {
+    require_root!();
+    let ns = TestNetns::new("nft-dormant");
+    let backend = NftablesBackend::new();
+    let cfg = InpodConfig::default();
+    backend.apply(&ns.open(), &cfg).unwrap();
+    // Every rule stays in place, and none of them is evaluated any more.
+    ns.exec(
+        "nft",
+        &[
+            "add",
+            "table",
+            "inet",
+            "istio-ambient-nat",
+            "{ flags dormant; }",
+        ],
+    );
+    let RuleState::Drifted(drift) = backend.verify(&ns.open(), &cfg).unwrap() else {
+        panic!("a dormant table passed as in sync");
+    };
+    assert_eq!(drift.missing, ["add table inet istio-ambient-nat"]);
+    assert_eq!(
+        drift.unexpected,
+        ["add table inet istio-ambient-nat { flags dormant; }"]
+    );
+    backend.apply(&ns.open(), &cfg).unwrap();
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+    assert!(!ruleset(&ns).contains("dormant"), "{}", ruleset(&ns));
+}
+
+#[test]
 fn foreign_tables_are_left_alone() {
     require_root!();
     let ns = TestNetns::new("nft-foreign");

@@ -70,6 +70,9 @@ pub struct Table {
     pub chains: Vec<Chain>,
     /// In the order they are added; within one chain this is the evaluation order.
     pub rules: Vec<Rule>,
+    /// `NFT_TABLE_F_*` as the kernel reports them. Ours never have any: a dormant table
+    /// evaluates none of its rules, and an owned one vanishes with the process that owns it.
+    pub flags: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -504,7 +507,25 @@ impl Table {
     }
 
     pub fn add_table_line(&self) -> String {
-        format!("add table inet {}", self.name)
+        // The kernel's flag bits, as `nft` names them.
+        const NAMES: [(u32, &str); 3] = [(1, "dormant"), (2, "owner"), (4, "persist")];
+        if self.flags == 0 {
+            return format!("add table inet {}", self.name);
+        }
+        let mut names: Vec<String> = NAMES
+            .iter()
+            .filter(|(bit, _)| self.flags & bit != 0)
+            .map(|(_, name)| name.to_string())
+            .collect();
+        let unknown = self.flags & !NAMES.iter().fold(0, |all, (bit, _)| all | bit);
+        if unknown != 0 {
+            names.push(format!("{unknown:#x}"));
+        }
+        format!(
+            "add table inet {} {{ flags {}; }}",
+            self.name,
+            names.join(",")
+        )
     }
 
     pub fn set_line(&self, set: &Set) -> String {
@@ -958,6 +979,10 @@ fn diff_table(want: &Table, have: &Table, missing: &mut Vec<String>, unexpected:
     if same_table(want, have) {
         return;
     }
+    if want.flags != have.flags {
+        missing.push(want.add_table_line());
+        unexpected.push(have.add_table_line());
+    }
     let set_lines = |t: &Table| -> Vec<String> { t.sets.iter().map(|s| t.set_line(s)).collect() };
     multiset_diff(set_lines(want), set_lines(have), missing, unexpected);
     let chain_lines =
@@ -987,7 +1012,8 @@ fn diff_table(want: &Table, have: &Table, missing: &mut Vec<String>, unexpected:
 
 /// Sets, chains and each chain's rules in order equal: the lines below would all match.
 fn same_table(want: &Table, have: &Table) -> bool {
-    want.sets == have.sets
+    want.flags == have.flags
+        && want.sets == have.sets
         && want.chains == have.chains
         && want.rules.len() == have.rules.len()
         && want
@@ -1037,6 +1063,21 @@ mod tests {
     fn diff_of_identical_sets_is_empty() {
         let rs = inpod_ruleset(&InpodConfig::default());
         assert_eq!(diff(&rs, &rs), (vec![], vec![]));
+    }
+
+    #[test]
+    fn a_flagged_table_is_drift_even_with_every_rule_in_place() {
+        let want = inpod_ruleset(&InpodConfig::default());
+        let mut have = want.clone();
+        have.tables[0].flags = 1 | 8;
+        let name = &want.tables[0].name;
+        assert_eq!(
+            diff(&want, &have),
+            (
+                vec![format!("add table inet {name}")],
+                vec![format!("add table inet {name} {{ flags dormant,0x8; }}")]
+            )
+        );
     }
 
     #[test]

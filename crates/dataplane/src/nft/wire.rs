@@ -30,6 +30,7 @@ const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFGENMSG_LEN: usize = 4;
 // enum nft_table_attributes, nft_chain_attributes, nft_hook_attributes
 const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_TABLE_FLAGS: u16 = 2;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
 const NFTA_CHAIN_HOOK: u16 = 4;
@@ -430,6 +431,7 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
         {
             tables.push(Table {
                 name: name.to_string(),
+                flags: attrs.get_u32_be(NFTA_TABLE_FLAGS).unwrap_or(0),
                 ..Table::default()
             });
         }

@@ -95,6 +95,7 @@ impl Tbl {
             sets: Vec::new(),
             chains,
             rules: self.rules,
+            flags: 0,
         })
     }
 }
