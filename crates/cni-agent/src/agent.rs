@@ -362,8 +362,10 @@ async fn start_ambient(
         cfg.proc_dir.clone(),
     );
     let branch_eni = cfg.aws_branch_eni_probe;
+    let journal =
+        nft.then(|| crate::ambient::hints::NetnsHints::new(run_dir).generations_journal());
     let dataplane = tokio::task::spawn_blocking(move || {
-        NodeDataplane::new(
+        let dataplane = NodeDataplane::new(
             nft,
             force.as_deref(),
             scoped_lock,
@@ -372,7 +374,15 @@ async fn start_ambient(
             &proc_dir,
             branch_eni,
         )
-        .map_err(|e| anyhow::anyhow!("{e}"))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok::<_, anyhow::Error>(match journal {
+            Some(Ok(journal)) => dataplane.remembering_generations(journal),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "no journal of nftables generations: a restart reads every pod's rules back");
+                dataplane
+            }
+            None => dataplane,
+        })
     })
     .await??;
     let dataplane = Arc::new(dataplane);

@@ -6,10 +6,11 @@
 //! The socket is opened inside the pod namespace on a [`Netns::run`] thread and used only there.
 
 mod expr;
+pub mod generations;
 pub mod host;
 pub mod wire;
 
-use std::sync::{Mutex, OnceLock, PoisonError, mpsc};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
 
 use cni_core::redirect::InpodConfig;
 use cni_core::redirect::nft::{INPOD_TABLES, Ruleset, diff, inpod_ruleset};
@@ -17,6 +18,7 @@ use cni_core::redirect::nft::{INPOD_TABLES, Ruleset, diff, inpod_ruleset};
 use crate::inpod::{Drift, InpodRules, RuleError, RuleState};
 use crate::netlink::{NetlinkError, NetlinkSocket};
 use crate::netns::Netns;
+use generations::{Generations, Mark, fingerprint};
 use wire::Batch;
 
 const BACKEND: &str = "nftables";
@@ -177,14 +179,27 @@ fn close_later(sock: NetlinkSocket) {
     }
 }
 
-/// Programs ambient in-pod redirection with native nftables. Holds no state: every call builds
-/// its rules afresh and uses its own socket, so concurrent calls for different pods never meet.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct NftablesBackend;
+/// Programs ambient in-pod redirection with native nftables. Every call builds its rules afresh
+/// and uses its own socket, so concurrent calls for different pods never meet. The one state it
+/// may hold is shared by all of them: the namespaces found in sync, by generation
+/// ([`generations`]).
+#[derive(Clone, Default)]
+pub struct NftablesBackend {
+    generations: Option<Arc<Generations>>,
+}
 
 impl NftablesBackend {
+    /// A backend that reads every pod's tables back at every check.
     pub fn new() -> Self {
-        NftablesBackend
+        Self::default()
+    }
+
+    /// A backend whose check skips the read of a namespace that `generations` proves unchanged
+    /// since it was last found in sync.
+    pub fn remembering(generations: Arc<Generations>) -> Self {
+        NftablesBackend {
+            generations: Some(generations),
+        }
     }
 
     /// The batch `apply` sends: our tables replaced by `desired`, and any of our tables that
@@ -209,20 +224,101 @@ impl NftablesBackend {
     pub fn commit(&self, netns: &Netns, batch: Batch) -> Result<(), NftError> {
         with_socket(netns, move |sock| batch.commit(sock))
     }
+
+    /// [`InpodRules::verify`] on a socket in the pod's namespace: skipped when the namespace is
+    /// remembered in sync at its current generation; remembered when found in sync and the
+    /// generation did not move while the tables were read.
+    fn check(
+        &self,
+        sock: &mut NetlinkSocket,
+        desired: &Desired,
+    ) -> Result<RuleState, NetlinkError> {
+        let mark = self
+            .generations
+            .as_ref()
+            .and_then(|g| Some((g, mark_now(sock, desired.fingerprint)?)));
+        if let Some((generations, mark)) = mark
+            && generations.holds(mark)
+        {
+            return Ok(RuleState::InSync);
+        }
+        let actual = wire::read_tables(sock, &INPOD_TABLES)?;
+        if actual.tables.is_empty() {
+            return Ok(RuleState::Absent);
+        }
+        let (missing, unexpected) = diff(&desired.ruleset, &actual);
+        if !missing.is_empty() || !unexpected.is_empty() {
+            return Ok(RuleState::Drifted(Drift {
+                missing,
+                unexpected,
+            }));
+        }
+        if let Some((generations, mark)) = mark
+            && wire::generation(sock).ok() == Some(mark.generation)
+        {
+            generations.remember(mark);
+        }
+        Ok(RuleState::InSync)
+    }
+}
+
+/// The namespace of `sock` (its cookie) at its current generation, against `desired`; `None`
+/// where the kernel cannot tell (`SO_NETNS_COOKIE` is Linux 5.14+), and then every check reads.
+fn mark_now(sock: &mut NetlinkSocket, desired: u64) -> Option<Mark> {
+    let cookie = netns_cookie(sock)?;
+    let generation = wire::generation(sock).ok()?;
+    Some(Mark {
+        cookie,
+        generation,
+        desired,
+    })
+}
+
+fn netns_cookie(sock: &NetlinkSocket) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    // <asm-generic/socket.h>, as on x86-64 and arm64.
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    let mut cookie = 0u64;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `cookie`, which is that large.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0 && len as usize == std::mem::size_of::<u64>()).then_some(cookie)
+}
+
+/// The in-pod rule set of one configuration, and the fingerprint of its rendering.
+struct Desired {
+    ruleset: Ruleset,
+    fingerprint: u64,
 }
 
 /// Calls `f` with the in-pod rule set of `cfg`, built once per thread for the settings last
 /// asked for there: enrollments, a restart and a drift pass all work against the node's
 /// settings for nearly every pod, and building the model costs as many allocations as half of
 /// reading the pod's tables back.
-fn with_desired<T>(cfg: &InpodConfig, f: impl FnOnce(&Ruleset) -> T) -> T {
+fn with_desired<T>(cfg: &InpodConfig, f: impl FnOnce(&Desired) -> T) -> T {
     thread_local! {
-        static LAST: std::cell::RefCell<Option<(InpodConfig, Ruleset)>> =
+        static LAST: std::cell::RefCell<Option<(InpodConfig, Desired)>> =
             const { std::cell::RefCell::new(None) };
     }
     LAST.with_borrow_mut(|last| {
         if last.as_ref().is_none_or(|(for_cfg, _)| for_cfg != cfg) {
-            *last = Some((cfg.clone(), inpod_ruleset(cfg)));
+            let ruleset = inpod_ruleset(cfg);
+            let fingerprint = fingerprint(&ruleset.render());
+            *last = Some((
+                cfg.clone(),
+                Desired {
+                    ruleset,
+                    fingerprint,
+                },
+            ));
         }
         let (_, desired) = last.as_ref().expect("just set");
         f(desired)
@@ -238,25 +334,34 @@ impl InpodRules for NftablesBackend {
         inpod_ruleset(cfg).render()
     }
 
+    /// With generations remembered, the commit is remembered as in sync when it was the only
+    /// one between the generations taken before and after it: our batch replaced all of our
+    /// tables, so they hold exactly the desired rules.
     fn apply(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), RuleError> {
-        let batch = with_desired(cfg, Self::apply_batch);
-        Ok(self.commit(netns, batch)?)
+        Ok(with_socket(netns, |sock| {
+            with_desired(cfg, |desired| {
+                let before = self.generations.as_ref().and_then(|generations| {
+                    Some((generations, mark_now(sock, desired.fingerprint)?))
+                });
+                Self::apply_batch(&desired.ruleset).commit(sock)?;
+                if let Some((generations, before)) = before
+                    && let Ok(after) = wire::generation(sock)
+                    && after == before.generation.wrapping_add(1)
+                {
+                    generations.remember(Mark {
+                        generation: after,
+                        ..before
+                    });
+                }
+                Ok(())
+            })
+        })?)
     }
 
     fn verify(&self, netns: &Netns, cfg: &InpodConfig) -> Result<RuleState, RuleError> {
-        let actual = self.read(netns)?;
-        if actual.tables.is_empty() {
-            return Ok(RuleState::Absent);
-        }
-        let (missing, unexpected) = with_desired(cfg, |desired| diff(desired, &actual));
-        if missing.is_empty() && unexpected.is_empty() {
-            Ok(RuleState::InSync)
-        } else {
-            Ok(RuleState::Drifted(Drift {
-                missing,
-                unexpected,
-            }))
-        }
+        Ok(with_socket(netns, |sock| {
+            with_desired(cfg, |desired| self.check(sock, desired))
+        })?)
     }
 
     fn remove(&self, netns: &Netns, _cfg: &InpodConfig) -> Result<(), RuleError> {
@@ -264,6 +369,13 @@ impl InpodRules for NftablesBackend {
         for name in INPOD_TABLES {
             batch.ensure_no_table(name);
         }
-        Ok(self.commit(netns, batch)?)
+        Ok(with_socket(netns, |sock| {
+            if let Some(generations) = &self.generations
+                && let Some(cookie) = netns_cookie(sock)
+            {
+                generations.forget(cookie);
+            }
+            batch.commit(sock)
+        })?)
     }
 }

@@ -102,7 +102,7 @@ fn nft_pod_tables_are_found_and_removed() {
     let ns = TestNetns::new("left-nft");
     let netns = ns.open();
     assert!(!leftovers::nft_in_pod(&netns).unwrap());
-    NftablesBackend.apply(&netns, &cfg()).unwrap();
+    NftablesBackend::new().apply(&netns, &cfg()).unwrap();
     assert!(leftovers::nft_in_pod(&netns).unwrap());
     // The iptables gate sees no iptables state in a pod that only has our inet tables.
     assert!(!IptablesLeftovers::find().in_pod(&netns).unwrap());

@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use cni_core::redirect::nft::{HostProbeConfig, RAW_TABLE, Rule, inpod_ruleset};
 use cni_core::redirect::{InpodConfig, InterfaceName, consts};
 use dataplane::inpod::{InpodRules, RuleState};
+use dataplane::nft::generations::Generations;
 use dataplane::nft::host::{
     ProbeEntry, ProbeSets, apply_host_rules, destroy_host_table, remove_host_rules,
 };
@@ -251,6 +252,82 @@ fn a_dormant_table_is_drift_and_apply_wakes_it() {
     assert!(!ruleset(&ns).contains("dormant"), "{}", ruleset(&ns));
 }
 
+/// A backend remembering namespaces found in sync in a journal at `path`.
+fn remembering(path: &std::path::Path) -> (NftablesBackend, std::sync::Arc<Generations>) {
+    let journal = std::fs::OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create(true)
+        .open(path)
+        .unwrap();
+    let generations = std::sync::Arc::new(Generations::journaled(journal));
+    (
+        NftablesBackend::remembering(generations.clone()),
+        generations,
+    )
+}
+
+#[test]
+fn a_namespace_remembered_in_sync_is_checked_again_after_any_change() {
+    require_root!();
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("generations");
+    let ns = TestNetns::new("nft-gen");
+    let other = TestNetns::new("nft-gen-other");
+    let (backend, generations) = remembering(&journal);
+    let cfg = InpodConfig::default();
+    backend.apply(&ns.open(), &cfg).unwrap();
+    assert_eq!(generations.len(), 1, "the applied namespace is remembered");
+    // Found in sync by a full read, not through the apply.
+    let (_, seen) = remembering(&dir.path().join("seen"));
+    let checker = NftablesBackend::remembering(seen.clone());
+    assert_eq!(checker.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+    assert_eq!(seen.len(), 1, "the namespace found in sync is remembered");
+    assert_eq!(checker.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+    backend.apply(&other.open(), &cfg).unwrap();
+    assert_eq!(generations.len(), 2);
+
+    // Other settings are other desired rules: the mark does not answer for them.
+    let v6 = InpodConfig {
+        ipv6: true,
+        ..InpodConfig::default()
+    };
+    assert!(matches!(
+        backend.verify(&ns.open(), &v6).unwrap(),
+        RuleState::Drifted(_)
+    ));
+
+    // A restarted agent reads the journal: still in sync, and still watching.
+    drop(backend);
+    let (backend, generations) = remembering(&journal);
+    assert_eq!(generations.len(), 2);
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+    // Any commit moves the generation, even in a table that is not ours...
+    ns.exec("nft", &["add", "table", "inet", "someone-else"]);
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+    // ...and a change to ours is found.
+    ns.exec(
+        "nft",
+        &["add", "chain", "inet", "istio-ambient-mangle", "sneaky"],
+    );
+    assert!(matches!(
+        backend.verify(&ns.open(), &cfg).unwrap(),
+        RuleState::Drifted(_)
+    ));
+    other.exec("nft", &["flush", "table", "inet", "istio-ambient-nat"]);
+    assert!(matches!(
+        backend.verify(&other.open(), &cfg).unwrap(),
+        RuleState::Drifted(_)
+    ));
+    backend.apply(&ns.open(), &cfg).unwrap();
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::InSync);
+
+    // Removing the rules forgets the namespace.
+    backend.remove(&ns.open(), &cfg).unwrap();
+    assert_eq!(generations.len(), 1);
+    assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::Absent);
+}
+
 #[test]
 fn foreign_tables_are_left_alone() {
     require_root!();
@@ -340,7 +417,7 @@ fn concurrent_applies_on_distinct_namespaces_do_not_cross_talk() {
     let backend = NftablesBackend::new();
     std::thread::scope(|s| {
         for (i, ns) in namespaces.iter().enumerate() {
-            let cfg = cfg_of(i);
+            let (cfg, backend) = (cfg_of(i), &backend);
             s.spawn(move || backend.apply(&ns.open(), &cfg).unwrap());
         }
     });

@@ -26,6 +26,11 @@ pub struct NetnsHints {
     unwritten: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
 }
 
+/// The journal of pods found in sync by nftables generation (`dataplane::nft::generations`),
+/// kept with the hints: it is about the same namespaces and must go with them at every requested
+/// stop. The leading dot keeps it out of the UIDs.
+const GENERATIONS: &str = ".nft-generations";
+
 /// Pod UIDs become file names: anything but `[A-Za-z0-9-]` is refused.
 fn valid_uid(uid: &str) -> bool {
     !uid.is_empty()
@@ -96,7 +101,7 @@ impl NetnsHints {
         for entry in dir.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();
-            if pods.contains(name.as_ref()) {
+            if pods.contains(name.as_ref()) || name == GENERATIONS {
                 continue;
             }
             let fresh = entry
@@ -127,6 +132,23 @@ impl NetnsHints {
             tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove the netns hint directory");
         }
         removed
+    }
+
+    /// The generations journal, opened for reading and appending (created when missing). A
+    /// symlink in its place is refused: the run dir is on the host.
+    pub fn generations_journal(&self) -> std::io::Result<std::fs::File> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)?;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(self.dir.join(GENERATIONS))
     }
 
     pub fn forget(&self, uid: &str) {
@@ -264,6 +286,27 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["fresh", "live"]);
+    }
+
+    #[test]
+    fn the_generations_journal_lives_with_the_hints() {
+        let dir = tempfile::tempdir().unwrap();
+        let hints = NetnsHints::new(dir.path());
+        hints.record("live", "/proc/self/ns/net");
+        drop(hints.generations_journal().unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let next = NetnsHints::new(dir.path());
+        next.retain(&std::collections::HashSet::from(["live".to_string()]));
+        assert!(dir.path().join("netns").join(GENERATIONS).exists());
+        assert_eq!(next.uids(), ["live"]);
+        assert_eq!(next.clear(), 2);
+
+        // Planted as a symlink, it is not followed.
+        std::fs::create_dir(dir.path().join("netns")).unwrap();
+        let target = dir.path().join("elsewhere");
+        std::os::unix::fs::symlink(&target, dir.path().join("netns").join(GENERATIONS)).unwrap();
+        assert!(next.generations_journal().is_err());
+        assert!(!target.exists());
     }
 
     #[test]

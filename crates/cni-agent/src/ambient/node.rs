@@ -18,6 +18,7 @@ use dataplane::inpod::{Drift, InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;
 use dataplane::leftovers::{self, IptablesLeftovers};
 use dataplane::netns::Netns;
+use dataplane::nft::generations::Generations;
 use dataplane::nft::host::ProbeSets;
 use dataplane::nft::{KeptSocket, NftablesBackend};
 
@@ -35,6 +36,7 @@ enum Backend {
         previous: IptablesLeftovers,
         /// The host's nfnetlink socket, kept for the probe set changes of every add.
         sock: KeptSocket,
+        rules: NftablesBackend,
     },
 }
 
@@ -80,6 +82,7 @@ impl NodeDataplane {
                 },
                 previous: IptablesLeftovers::find(),
                 sock: KeptSocket::new(&host)?,
+                rules: NftablesBackend::new(),
             }
         } else {
             // Detection runs in the host namespace: the pods use the variant the host uses.
@@ -98,10 +101,25 @@ impl NodeDataplane {
         })
     }
 
+    /// Pods found in sync are remembered by nftables generation in `journal` (opened for
+    /// reading and appending), so a later check of an unchanged pod, by this agent or the next,
+    /// skips reading its tables back. Only the nftables backend can tell that nothing changed.
+    pub fn remembering_generations(mut self, journal: std::fs::File) -> Self {
+        if let Backend::Nftables { rules, .. } = &mut self.backend {
+            let generations = Arc::new(Generations::journaled(journal));
+            tracing::info!(
+                namespaces = generations.len(),
+                "nftables generations of pods found in sync"
+            );
+            *rules = NftablesBackend::remembering(generations);
+        }
+        self
+    }
+
     fn rules(&self) -> &dyn InpodRules {
         match &self.backend {
             Backend::Iptables { backend, .. } => backend,
-            Backend::Nftables { .. } => &NftablesBackend,
+            Backend::Nftables { rules, .. } => rules,
         }
     }
 

@@ -26,6 +26,9 @@ const NFT_MSG_NEWCHAIN: u16 = 3;
 const NFT_MSG_NEWRULE: u16 = 6;
 const NFT_MSG_NEWSET: u16 = 9;
 const NFT_MSG_NEWSETELEM: u16 = 12;
+const NFT_MSG_NEWGEN: u16 = 15;
+const NFT_MSG_GETGEN: u16 = 16;
+const NFTA_GEN_ID: u16 = 1;
 /// `struct nfgenmsg`, ahead of every nf_tables message's attributes.
 const NFGENMSG_LEN: usize = 4;
 // enum nft_table_attributes, nft_chain_attributes, nft_hook_attributes
@@ -301,6 +304,30 @@ fn dump_raw_of(
     let wanted = (NFNL_SUBSYS_NFTABLES << 8) | reply;
     let request = NetfilterMessage::new(NetfilterHeader::new(family, 0, 0), msg);
     sock.dump_raw(request, |t| t == wanted)
+}
+
+/// The generation of the namespace's nftables: the kernel moves it with every commit.
+pub fn generation(sock: &mut NetlinkSocket) -> Result<u32, NetlinkError> {
+    let request = Raw::<NetfilterMessage>::Bytes {
+        message_type: (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
+        // nfgenmsg: AF_UNSPEC, NFNETLINK_V0, no resource id.
+        payload: vec![0; NFGENMSG_LEN],
+    };
+    let answer = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN;
+    for reply in sock.get(request)? {
+        if let Raw::Bytes {
+            message_type,
+            payload,
+        } = reply
+            && message_type == answer
+            && let Some(id) = message_attrs(&payload, "generation")?.get_u32_be(NFTA_GEN_ID)
+        {
+            return Ok(id);
+        }
+    }
+    Err(NetlinkError::Decode(
+        "the kernel's answer holds no nftables generation".into(),
+    ))
 }
 
 /// Names of the ip and ip6 tables in the namespace: where iptables-nft keeps its rules (`nat`,
