@@ -4,10 +4,14 @@
 //! sizes).
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cni_core::redirect::InpodConfig;
+use dataplane::inpod::InpodRules;
+use dataplane::nft::NftablesBackend;
+use dataplane::nft::generations::Generations;
 use dataplane::test_support::TestNetns;
 use dataplane::{BackendOptions, backend, pod};
 
@@ -76,8 +80,21 @@ fn main() {
     let samples = env_usize("INPOD_BENCH_SAMPLES", 50);
     let background = env_usize("INPOD_BENCH_BACKGROUND", 250);
     let cfg = InpodConfig::default();
-    for name in ["iptables", "nftables"] {
-        let b = backend(name, &BackendOptions::default()).expect("backend");
+    // The agent's nftables backend remembers generations: its verify of a pod unchanged since
+    // the enroll asks for the generation instead of reading the tables back.
+    let remembering: Box<dyn InpodRules> = Box::new(NftablesBackend::remembering(Arc::new(
+        Generations::in_memory(),
+    )));
+    let backends = ["iptables", "nftables"].map(|name| {
+        (
+            name,
+            backend(name, &BackendOptions::default()).expect("backend"),
+        )
+    });
+    for (name, b) in backends
+        .into_iter()
+        .chain([("nftables, generations remembered", remembering)])
+    {
         for pods_before in [0, background] {
             let others: Vec<TestNetns> = (0..pods_before).map(|_| TestNetns::new("bg")).collect();
             for ns in &others {

@@ -236,7 +236,7 @@ impl NftablesBackend {
         let mark = self
             .generations
             .as_ref()
-            .and_then(|g| Some((g, mark_now(sock, desired.fingerprint)?)));
+            .and_then(|g| Some((g, mark_now(sock, desired.fingerprint())?)));
         if let Some((generations, mark)) = mark
             && generations.holds(mark)
         {
@@ -293,10 +293,19 @@ fn netns_cookie(sock: &NetlinkSocket) -> Option<u64> {
     (rc == 0 && len as usize == std::mem::size_of::<u64>()).then_some(cookie)
 }
 
-/// The in-pod rule set of one configuration, and the fingerprint of its rendering.
+/// The in-pod rule set of one configuration, and the fingerprint of its rendering (taken when
+/// first asked for: only a backend remembering generations needs it).
 struct Desired {
     ruleset: Ruleset,
-    fingerprint: u64,
+    fingerprint: std::cell::OnceCell<u64>,
+}
+
+impl Desired {
+    fn fingerprint(&self) -> u64 {
+        *self
+            .fingerprint
+            .get_or_init(|| fingerprint(&self.ruleset.render()))
+    }
 }
 
 /// Calls `f` with the in-pod rule set of `cfg`, built once per thread for the settings last
@@ -310,13 +319,11 @@ fn with_desired<T>(cfg: &InpodConfig, f: impl FnOnce(&Desired) -> T) -> T {
     }
     LAST.with_borrow_mut(|last| {
         if last.as_ref().is_none_or(|(for_cfg, _)| for_cfg != cfg) {
-            let ruleset = inpod_ruleset(cfg);
-            let fingerprint = fingerprint(&ruleset.render());
             *last = Some((
                 cfg.clone(),
                 Desired {
-                    ruleset,
-                    fingerprint,
+                    ruleset: inpod_ruleset(cfg),
+                    fingerprint: Default::default(),
                 },
             ));
         }
@@ -341,7 +348,7 @@ impl InpodRules for NftablesBackend {
         Ok(with_socket(netns, |sock| {
             with_desired(cfg, |desired| {
                 let before = self.generations.as_ref().and_then(|generations| {
-                    Some((generations, mark_now(sock, desired.fingerprint)?))
+                    Some((generations, mark_now(sock, desired.fingerprint())?))
                 });
                 Self::apply_batch(&desired.ruleset).commit(sock)?;
                 if let Some((generations, before)) = before
