@@ -551,7 +551,8 @@ async fn drifted_rules_are_repaired_and_explained() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
     dataplane::require_root!();
-    let mut node = TestNode::start(Backend::Iptables).await;
+    // nftables: the backend that keeps a generations journal beside the hints.
+    let mut node = TestNode::start(Backend::Nftables).await;
     let _peer = fast_peer(&node);
     node.create_namespace("mesh", &[AMBIENT]).await;
     node.create_namespace("plain", &[]).await;
@@ -567,13 +568,20 @@ async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
         node.path("run/netns").join(&pod.uid).exists(),
         "no netns hint"
     );
+    let journal = node.path("run/nft-generations");
+    assert!(journal.exists(), "no nftables generations journal");
 
     // Upgrade: the DaemonSet still exists, so the plugin and its config entry stay; the netns
-    // hints go (the next agent may be Istio's, which would leave them behind forever).
+    // hints and the generations journal go (the next agent may be Istio's, which would leave
+    // them behind forever).
     assert!(node.stop_agent().success(), "{}", node.agent_log());
     assert!(
         !node.path("run/netns").exists(),
         "netns hints left after a requested stop"
+    );
+    assert!(
+        !journal.exists(),
+        "generations journal left after a requested stop"
     );
     assert!(
         node.conflist().contains("istio-cni"),
@@ -603,6 +611,10 @@ async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
     assert!(
         !node.path("run/netns").exists(),
         "netns hints left after uninstall"
+    );
+    assert!(
+        !journal.exists(),
+        "generations journal left after uninstall"
     );
     assert!(!node.path("bin/istio-cni").exists());
 }

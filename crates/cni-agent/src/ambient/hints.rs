@@ -26,10 +26,10 @@ pub struct NetnsHints {
     unwritten: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
 }
 
-/// The journal of pods found in sync by nftables generation (`dataplane::nft::generations`),
-/// kept with the hints: it is about the same namespaces and must go with them at every requested
-/// stop. The leading dot keeps it out of the UIDs.
-const GENERATIONS: &str = ".nft-generations";
+/// The journal of pods found in sync by nftables generation (`dataplane::nft::generations`), in
+/// the run dir beside the hints' directory (which holds hints only): it is about the same
+/// namespaces and goes with them at every requested stop.
+const GENERATIONS: &str = "nft-generations";
 
 /// Pod UIDs become file names: anything but `[A-Za-z0-9-]` is refused.
 fn valid_uid(uid: &str) -> bool {
@@ -101,7 +101,7 @@ impl NetnsHints {
         for entry in dir.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();
-            if pods.contains(name.as_ref()) || name == GENERATIONS {
+            if pods.contains(name.as_ref()) {
                 continue;
             }
             let fresh = entry
@@ -114,20 +114,23 @@ impl NetnsHints {
         }
     }
 
-    /// Deletes every hint and their directory; returns how many files went. Every requested stop
+    /// Deletes every hint, their directory and the generations journal; returns how many files
+    /// went. Every requested stop
     /// (upgrade, uninstall, reboot) does it: the next agent may be Istio's, which neither reads
     /// nor removes them, so after a rollback and a final uninstall nothing of ours would be left
     /// otherwise. Our next agent finds the running pods through /proc, as Istio's does.
     pub fn clear(&self) -> usize {
         self.unwritten.lock().unwrap().clear();
-        let Ok(dir) = std::fs::read_dir(&self.dir) else {
-            return 0;
-        };
         // `remove_file` unlinks: a symlink planted here is removed, never followed.
-        let removed = dir
-            .flatten()
-            .filter(|e| std::fs::remove_file(e.path()).is_ok())
-            .count();
+        let journal = usize::from(std::fs::remove_file(self.journal_path()).is_ok());
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return journal;
+        };
+        let removed = journal
+            + dir
+                .flatten()
+                .filter(|e| std::fs::remove_file(e.path()).is_ok())
+                .count();
         if let Err(e) = std::fs::remove_dir(&self.dir) {
             tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove the netns hint directory");
         }
@@ -138,17 +141,24 @@ impl NetnsHints {
     /// symlink in its place is refused: the run dir is on the host.
     pub fn generations_journal(&self) -> std::io::Result<std::fs::File> {
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&self.dir)?;
+        // The run dir, as the hints' directory would create it.
+        if let Some(run_dir) = self.dir.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(run_dir)?;
+        }
         std::fs::OpenOptions::new()
             .read(true)
             .append(true)
             .create(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW)
-            .open(self.dir.join(GENERATIONS))
+            .open(self.journal_path())
+    }
+
+    fn journal_path(&self) -> PathBuf {
+        self.dir.with_file_name(GENERATIONS)
     }
 
     pub fn forget(&self, uid: &str) {
@@ -289,7 +299,7 @@ mod tests {
     }
 
     #[test]
-    fn the_generations_journal_lives_with_the_hints() {
+    fn the_generations_journal_lives_and_goes_with_the_hints() {
         let dir = tempfile::tempdir().unwrap();
         let hints = NetnsHints::new(dir.path());
         hints.record("live", "/proc/self/ns/net");
@@ -297,14 +307,14 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(100));
         let next = NetnsHints::new(dir.path());
         next.retain(&std::collections::HashSet::from(["live".to_string()]));
-        assert!(dir.path().join("netns").join(GENERATIONS).exists());
+        assert!(dir.path().join(GENERATIONS).exists());
         assert_eq!(next.uids(), ["live"]);
         assert_eq!(next.clear(), 2);
+        assert!(!dir.path().join(GENERATIONS).exists());
 
         // Planted as a symlink, it is not followed.
-        std::fs::create_dir(dir.path().join("netns")).unwrap();
         let target = dir.path().join("elsewhere");
-        std::os::unix::fs::symlink(&target, dir.path().join("netns").join(GENERATIONS)).unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join(GENERATIONS)).unwrap();
         assert!(next.generations_journal().is_err());
         assert!(!target.exists());
     }
