@@ -43,8 +43,6 @@ impl NetlinkError {
     }
 }
 
-/// A reply and, for an error reply, the kernel's extended-ack text.
-type Received<T> = (NetlinkMessage<T>, Option<String>);
 
 /// A connected netlink socket of one protocol (`netlink_sys::constants::NETLINK_*`).
 pub struct NetlinkSocket {
@@ -228,37 +226,69 @@ impl NetlinkSocket {
     where
         T: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
-        let mut pending = Vec::new();
+        let mut encoded = Encoded::new(&mut msgs);
+        let mut replies = Vec::new();
+        self.exchange(&mut encoded, |msg| {
+            replies.push(
+                NetlinkMessage::<T>::deserialize(msg)
+                    .map_err(|e| NetlinkError::Decode(e.to_string()))?,
+            );
+            Ok(())
+        })?;
+        Ok(replies)
+    }
+
+    /// [`transact`](Self::transact) of messages serialized before: they are numbered afresh and
+    /// sent; replies other than acks are dropped.
+    pub fn transact_encoded(&mut self, encoded: &mut Encoded) -> Result<(), NetlinkError> {
+        self.exchange(encoded, |_| Ok(()))
+    }
+
+    /// Numbers and sends `encoded`, then reads until every message that asked for an ack got
+    /// one, handing each other reply to one of them (header included) to `reply`.
+    fn exchange(
+        &mut self,
+        encoded: &mut Encoded,
+        mut reply: impl FnMut(&[u8]) -> Result<(), NetlinkError>,
+    ) -> Result<(), NetlinkError> {
         let first_seq = self.next_seq;
-        for (i, msg) in msgs.iter_mut().enumerate() {
+        let mut pending = Vec::new();
+        for (i, &(start, acked)) in encoded.msgs.iter().enumerate() {
             let seq = self.alloc_seq();
-            msg.header.sequence_number = seq;
-            if msg.header.flags & NLM_F_ACK != 0 {
+            encoded.bytes[start + 8..start + 12].copy_from_slice(&seq.to_ne_bytes());
+            if acked {
                 pending.push((seq, i));
             }
         }
-        self.send(&mut msgs)?;
-        let mut replies = Vec::new();
+        self.send_bytes(&encoded.bytes)?;
+        let sent = encoded.msgs.len() as u32;
         let mut first_err = None;
         while !pending.is_empty() {
-            for (msg, ext_ack) in self.recv::<T>()? {
-                let seq = msg.header.sequence_number;
+            self.recv_each(|msg| {
+                let seq = u32::from_ne_bytes(msg[8..12].try_into().expect("4 bytes"));
                 let Some(pos) = pending.iter().position(|(s, _)| *s == seq) else {
-                    if seq.wrapping_sub(first_seq) < msgs.len() as u32 {
-                        replies.push(msg);
+                    if seq.wrapping_sub(first_seq) < sent {
+                        reply(msg)?;
                     }
-                    continue;
+                    return Ok(());
                 };
-                match &msg.payload {
-                    NetlinkPayload::Error(e) => {
-                        let (_, index) = pending.remove(pos);
-                        if e.code.is_some() && first_err.is_none() {
-                            first_err = Some(kernel_error(index, e, ext_ack));
-                        }
-                    }
-                    _ => replies.push(msg),
+                if u16::from_ne_bytes([msg[4], msg[5]]) != NLMSG_ERROR {
+                    return reply(msg);
                 }
-            }
+                let (_, index) = pending.remove(pos);
+                // struct nlmsgerr: the error code (0 for an ack), then the request it answers.
+                let code = msg
+                    .get(16..20)
+                    .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
+                if code != 0 && first_err.is_none() {
+                    first_err = Some(NetlinkError::Kernel {
+                        index,
+                        source: io::Error::from_raw_os_error(-code),
+                        ext_ack: ext_ack_text(u16::from_ne_bytes([msg[6], msg[7]]), msg),
+                    });
+                }
+                Ok(())
+            })?;
             // A failed batch message aborts the rest; the kernel does not ack what it never ran.
             if first_err.is_some() && self.nothing_queued()? {
                 break;
@@ -266,7 +296,7 @@ impl NetlinkSocket {
         }
         match first_err {
             Some(e) => Err(e),
-            None => Ok(replies),
+            None => Ok(()),
         }
     }
 
@@ -280,39 +310,15 @@ impl NetlinkSocket {
         &mut self,
         msgs: &mut [NetlinkMessage<T>],
     ) -> Result<(), NetlinkError> {
-        let mut out = Vec::new();
-        for msg in msgs {
-            msg.finalize();
-            let start = out.len();
-            out.resize(start + msg.buffer_len(), 0);
-            msg.serialize(&mut out[start..]);
-        }
-        let sent = self.socket.send(&out, 0)?;
-        if sent != out.len() {
+        self.send_bytes(&Encoded::new(msgs).bytes)
+    }
+
+    fn send_bytes(&mut self, bytes: &[u8]) -> Result<(), NetlinkError> {
+        let sent = self.socket.send(bytes, 0)?;
+        if sent != bytes.len() {
             return Err(NetlinkError::Io(io::Error::other("short netlink send")));
         }
         Ok(())
-    }
-
-    /// One datagram's messages, each with the extended-ack text of an error reply.
-    fn recv<T>(&mut self) -> Result<Vec<Received<T>>, NetlinkError>
-    where
-        T: NetlinkSerializable + NetlinkDeserializable + Debug,
-    {
-        let mut out = Vec::new();
-        self.recv_each(|bytes| {
-            let msg = NetlinkMessage::<T>::deserialize(bytes)
-                .map_err(|e| NetlinkError::Decode(e.to_string()))?;
-            let ext_ack = match msg.payload {
-                NetlinkPayload::Error(ref e) if e.code.is_some() => {
-                    ext_ack_text(msg.header.flags, bytes)
-                }
-                _ => None,
-            };
-            out.push((msg, ext_ack));
-            Ok(())
-        })?;
-        Ok(out)
     }
 
     /// Reads one datagram and hands each message in it, header included, to `each`.
@@ -398,18 +404,6 @@ impl std::os::fd::AsRawFd for NetlinkSocket {
     }
 }
 
-fn kernel_error(
-    index: usize,
-    e: &netlink_packet_core::ErrorMessage,
-    ext_ack: Option<String>,
-) -> NetlinkError {
-    NetlinkError::Kernel {
-        index,
-        source: e.to_io(),
-        ext_ack,
-    }
-}
-
 /// Finds `NLMSGERR_ATTR_MSG` in an `NLMSG_ERROR` datagram: after the 16-byte outer header come the
 /// errno (4 bytes) and the offending request (only its header when `NLM_F_CAPPED`), then TLVs.
 fn ext_ack_text(flags: u16, raw: &[u8]) -> Option<String> {
@@ -426,6 +420,33 @@ fn ext_ack_text(flags: u16, raw: &[u8]) -> Option<String> {
     let text = tlvs.get(NLMSGERR_ATTR_MSG)?;
     let text = text.split(|b| *b == 0).next().unwrap_or_default();
     Some(String::from_utf8_lossy(text).into_owned())
+}
+
+/// Messages serialized once, to be sent as they are ([`NetlinkSocket::transact_encoded`]): a
+/// pod's rules are the same batch for every pod with the same settings, and serializing it from
+/// the netlink crate's types costs an allocation per attribute. Each send numbers the messages
+/// afresh.
+#[derive(Clone, Debug, Default)]
+pub struct Encoded {
+    bytes: Vec<u8>,
+    /// Where each message starts, and whether it asks for an ack.
+    msgs: Vec<(usize, bool)>,
+}
+
+impl Encoded {
+    pub fn new<T: NetlinkSerializable + Debug>(msgs: &mut [NetlinkMessage<T>]) -> Self {
+        let mut encoded = Encoded::default();
+        for msg in msgs {
+            msg.finalize();
+            let start = encoded.bytes.len();
+            encoded.bytes.resize(start + msg.buffer_len(), 0);
+            msg.serialize(&mut encoded.bytes[start..]);
+            encoded
+                .msgs
+                .push((start, msg.header.flags & NLM_F_ACK != 0));
+        }
+        encoded
+    }
 }
 
 /// The replies of a dump, undecoded, each with its message type. One buffer holds them all:

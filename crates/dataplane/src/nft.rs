@@ -16,7 +16,7 @@ use cni_core::redirect::InpodConfig;
 use cni_core::redirect::nft::{INPOD_TABLES, Ruleset, diff, inpod_ruleset};
 
 use crate::inpod::{Drift, InpodRules, RuleError, RuleState};
-use crate::netlink::{NetlinkError, NetlinkSocket};
+use crate::netlink::{Encoded, NetlinkError, NetlinkSocket};
 use crate::netns::Netns;
 use generations::{Generations, Mark, fingerprint};
 use wire::Batch;
@@ -293,18 +293,38 @@ fn netns_cookie(sock: &NetlinkSocket) -> Option<u64> {
     (rc == 0 && len as usize == std::mem::size_of::<u64>()).then_some(cookie)
 }
 
-/// The in-pod rule set of one configuration, and the fingerprint of its rendering (taken when
-/// first asked for: only a backend remembering generations needs it).
+/// The in-pod rule set of one configuration, the fingerprint of its rendering and the batch
+/// that applies it, each made when first asked for (only a backend remembering generations
+/// needs the fingerprint, and a restart with nothing to repair applies nothing).
 struct Desired {
     ruleset: Ruleset,
     fingerprint: std::cell::OnceCell<u64>,
+    batch: std::cell::OnceCell<std::cell::RefCell<Encoded>>,
 }
 
 impl Desired {
+    fn new(cfg: &InpodConfig) -> Self {
+        Desired {
+            ruleset: inpod_ruleset(cfg),
+            fingerprint: Default::default(),
+            batch: Default::default(),
+        }
+    }
+
     fn fingerprint(&self) -> u64 {
         *self
             .fingerprint
             .get_or_init(|| fingerprint(&self.ruleset.render()))
+    }
+
+    /// Commits [`NftablesBackend::apply_batch`] of these rules, serialized once.
+    fn commit(&self, sock: &mut NetlinkSocket) -> Result<(), NetlinkError> {
+        let batch = self.batch.get_or_init(|| {
+            NftablesBackend::apply_batch(&self.ruleset)
+                .encode()
+                .into()
+        });
+        sock.transact_encoded(&mut batch.borrow_mut())
     }
 }
 
@@ -319,13 +339,7 @@ fn with_desired<T>(cfg: &InpodConfig, f: impl FnOnce(&Desired) -> T) -> T {
     }
     LAST.with_borrow_mut(|last| {
         if last.as_ref().is_none_or(|(for_cfg, _)| for_cfg != cfg) {
-            *last = Some((
-                cfg.clone(),
-                Desired {
-                    ruleset: inpod_ruleset(cfg),
-                    fingerprint: Default::default(),
-                },
-            ));
+            *last = Some((cfg.clone(), Desired::new(cfg)));
         }
         let (_, desired) = last.as_ref().expect("just set");
         f(desired)
@@ -350,7 +364,7 @@ impl InpodRules for NftablesBackend {
                 let before = self.generations.as_ref().and_then(|generations| {
                     Some((generations, mark_now(sock, desired.fingerprint())?))
                 });
-                Self::apply_batch(&desired.ruleset).commit(sock)?;
+                desired.commit(sock)?;
                 if let Some((generations, before)) = before
                     && let Ok(after) = wire::generation(sock)
                     && after == before.generation.wrapping_add(1)

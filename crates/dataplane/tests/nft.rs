@@ -385,9 +385,15 @@ fn a_failing_batch_applies_nothing() {
             vec![cni_core::redirect::nft::Expr::Counter],
         ),
     );
+    // The batch's begin is message 0: the refused rule, the last change, is message `len`.
+    let refused = batch.len();
     let err = backend.commit(&ns.open(), batch).unwrap_err();
     assert!(matches!(err, NftError::Netlink(_)), "{err}");
     assert!(err.to_string().contains("No such file"), "{err}");
+    assert!(
+        err.to_string().contains(&format!("message {refused}:")),
+        "{err}"
+    );
     assert_eq!(ruleset(&ns).trim(), "");
     assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::Absent);
 

@@ -17,7 +17,7 @@ use netlink_packet_netfilter::none::ControlMessage;
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 
 use super::expr::{rule_from_wire, rule_to_netlink};
-use crate::netlink::{NetlinkError, NetlinkSocket, Nlas, Payloads, Raw};
+use crate::netlink::{Encoded, NetlinkError, NetlinkSocket, Nlas, Payloads, Raw};
 
 /// `NFNL_SUBSYS_NFTABLES`: batch begin/end name the subsystem they wrap in `res_id`.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -227,11 +227,17 @@ impl Batch {
         if self.msgs.is_empty() {
             return Ok(());
         }
+        sock.transact_encoded(&mut self.encode())
+    }
+
+    /// The batch's bytes, begin and end included, to commit with
+    /// [`NetlinkSocket::transact_encoded`] as often as wanted.
+    pub fn encode(self) -> Encoded {
         let mut all = Vec::with_capacity(self.msgs.len() + 2);
         all.push(control(ControlMessage::BatchBegin));
         all.extend(self.msgs);
         all.push(control(ControlMessage::BatchEnd));
-        sock.transact(all).map(|_| ())
+        Encoded::new(&mut all)
     }
 }
 
