@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cni_core::redirect::InpodConfig;
-use dataplane::inpod::InpodRules;
+use dataplane::inpod::{InpodRules, RuleState};
+use dataplane::netns::Netns;
 use dataplane::nft::NftablesBackend;
 use dataplane::nft::generations::Generations;
 use dataplane::test_support::TestNetns;
@@ -72,6 +73,25 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+#[derive(Clone, Copy)]
+enum Op {
+    Enroll,
+    Verify,
+    Unenroll,
+}
+
+impl Op {
+    /// The operation; enroll and unenroll answer `InSync` when they succeed.
+    fn run(self, netns: &Netns, cfg: &InpodConfig, b: &dyn InpodRules) -> RuleState {
+        match self {
+            Op::Enroll => pod::enroll(netns, cfg, b).expect("enroll"),
+            Op::Verify => return pod::verify(netns, cfg, b).expect("verify"),
+            Op::Unenroll => pod::unenroll(netns, cfg, b).expect("unenroll"),
+        }
+        RuleState::InSync
+    }
+}
+
 fn main() {
     if !nix::unistd::geteuid().is_root() {
         eprintln!("inpod bench needs root; skipped");
@@ -80,44 +100,58 @@ fn main() {
     let samples = env_usize("INPOD_BENCH_SAMPLES", 50);
     let background = env_usize("INPOD_BENCH_BACKGROUND", 250);
     let cfg = InpodConfig::default();
-    // The agent's nftables backend remembers generations: its verify of a pod unchanged since
-    // the enroll asks for the generation instead of reading the tables back.
-    let remembering: Box<dyn InpodRules> = Box::new(NftablesBackend::remembering(Arc::new(
+    // The agent runs its nftables backend remembering generations, on pooled namespace workers
+    // (`Netns::run_detached`) that keep the desired rules and their batch between pods: its
+    // verify of a pod unchanged since the enroll asks for the generation instead of reading the
+    // tables back. The other rows run each operation on a thread of its own.
+    let remembering: Arc<dyn InpodRules> = Arc::new(NftablesBackend::remembering(Arc::new(
         Generations::in_memory(),
     )));
     let backends = ["iptables", "nftables"].map(|name| {
-        (
-            name,
-            backend(name, &BackendOptions::default()).expect("backend"),
-        )
+        let b: Arc<dyn InpodRules> = backend(name, &BackendOptions::default())
+            .expect("backend")
+            .into();
+        (name, b, false)
     });
-    for (name, b) in backends
-        .into_iter()
-        .chain([("nftables, generations remembered", remembering)])
+    for (name, b, pooled) in
+        backends
+            .into_iter()
+            .chain([("nftables, as the agent runs it", remembering, true)])
     {
+        // One pod operation, on a pooled worker where the agent would use one.
+        let run = |netns: &Arc<Netns>, op: Op| -> RuleState {
+            let (b, cfg) = (b.clone(), cfg.clone());
+            let job = move |netns: &Netns| op.run(netns, &cfg, b.as_ref());
+            if !pooled {
+                return job(netns);
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            netns
+                .clone()
+                .run_detached(job, move |r| drop(tx.send(r)))
+                .expect("submit");
+            rx.recv().expect("worker").expect("in the pod's namespace")
+        };
         for pods_before in [0, background] {
             let others: Vec<TestNetns> = (0..pods_before).map(|_| TestNetns::new("bg")).collect();
             for ns in &others {
-                pod::enroll(&ns.open(), &cfg, b.as_ref()).expect("background enroll");
+                run(&Arc::new(ns.open()), Op::Enroll);
             }
             let (mut apply, mut verify, mut remove) = (Vec::new(), Vec::new(), Vec::new());
             let mut allocs = [Vec::new(), Vec::new(), Vec::new()];
             // One warm-up pod so one-time costs (variant canonical form, module loads) are excluded.
             for i in 0..=samples {
                 let ns = TestNetns::new("bench");
-                let netns = ns.open();
+                let netns = Arc::new(ns.open());
                 let t = Instant::now();
-                let ((), a_allocs) =
-                    counted(|| pod::enroll(&netns, &cfg, b.as_ref()).expect("enroll"));
+                let (_, a_allocs) = counted(|| run(&netns, Op::Enroll));
                 let a = t.elapsed();
                 let t = Instant::now();
-                let (state, v_allocs) =
-                    counted(|| pod::verify(&netns, &cfg, b.as_ref()).expect("verify"));
+                let (state, v_allocs) = counted(|| run(&netns, Op::Verify));
                 let v = t.elapsed();
-                assert_eq!(state, dataplane::inpod::RuleState::InSync);
+                assert_eq!(state, RuleState::InSync);
                 let t = Instant::now();
-                let ((), r_allocs) =
-                    counted(|| pod::unenroll(&netns, &cfg, b.as_ref()).expect("unenroll"));
+                let (_, r_allocs) = counted(|| run(&netns, Op::Unenroll));
                 let r = t.elapsed();
                 if i > 0 {
                     apply.push(a);

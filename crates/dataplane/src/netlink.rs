@@ -43,7 +43,6 @@ impl NetlinkError {
     }
 }
 
-
 /// A connected netlink socket of one protocol (`netlink_sys::constants::NETLINK_*`).
 pub struct NetlinkSocket {
     socket: Socket,

@@ -319,11 +319,9 @@ impl Desired {
 
     /// Commits [`NftablesBackend::apply_batch`] of these rules, serialized once.
     fn commit(&self, sock: &mut NetlinkSocket) -> Result<(), NetlinkError> {
-        let batch = self.batch.get_or_init(|| {
-            NftablesBackend::apply_batch(&self.ruleset)
-                .encode()
-                .into()
-        });
+        let batch = self
+            .batch
+            .get_or_init(|| NftablesBackend::apply_batch(&self.ruleset).encode().into());
         sock.transact_encoded(&mut batch.borrow_mut())
     }
 }
