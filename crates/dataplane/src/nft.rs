@@ -179,10 +179,10 @@ fn close_later(sock: NetlinkSocket) {
     }
 }
 
-/// Programs ambient in-pod redirection with native nftables. Every call builds its rules afresh
-/// and uses its own socket, so concurrent calls for different pods never meet. The one state it
-/// may hold is shared by all of them: the namespaces found in sync, by generation
-/// ([`generations`]).
+/// Programs ambient in-pod redirection with native nftables. Each call uses a socket of its
+/// own and the desired rules its thread keeps (`with_desired`), so concurrent calls for
+/// different pods never meet. The one state it may hold is shared by all of them: the
+/// namespaces found in sync, by generation ([`generations`]).
 #[derive(Clone, Default)]
 pub struct NftablesBackend {
     generations: Option<Arc<Generations>>,
