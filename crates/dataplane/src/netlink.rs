@@ -181,25 +181,16 @@ impl NetlinkSocket {
         let (mut interrupted, mut done) = (false, false);
         while !done {
             self.recv_each(|msg| {
-                let field = |at: usize| u16::from_ne_bytes([msg[at], msg[at + 1]]);
-                let (message_type, flags) = (field(4), field(6));
-                if done || u32::from_ne_bytes(msg[8..12].try_into().expect("4 bytes")) != seq {
+                let (message_type, flags, reply_seq) = header_of(msg);
+                if done || reply_seq != seq {
                     return Ok(());
                 }
                 interrupted |= flags & NLM_F_DUMP_INTR != 0;
                 match message_type {
                     NLMSG_DONE => done = true,
                     NLMSG_ERROR => {
-                        // struct nlmsgerr: the error code, then the request it answers.
-                        let code = msg
-                            .get(16..20)
-                            .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
-                        if code != 0 {
-                            return Err(NetlinkError::Kernel {
-                                index: 0,
-                                source: io::Error::from_raw_os_error(-code),
-                                ext_ack: ext_ack_text(flags, msg),
-                            });
+                        if let Some(refused) = rejection(msg, 0) {
+                            return Err(refused);
                         }
                     }
                     t if keep(t) => out.push(t, &msg[16..]),
@@ -264,27 +255,19 @@ impl NetlinkSocket {
         let mut first_err = None;
         while !pending.is_empty() {
             self.recv_each(|msg| {
-                let seq = u32::from_ne_bytes(msg[8..12].try_into().expect("4 bytes"));
+                let (message_type, _, seq) = header_of(msg);
                 let Some(pos) = pending.iter().position(|(s, _)| *s == seq) else {
                     if seq.wrapping_sub(first_seq) < sent {
                         reply(msg)?;
                     }
                     return Ok(());
                 };
-                if u16::from_ne_bytes([msg[4], msg[5]]) != NLMSG_ERROR {
+                if message_type != NLMSG_ERROR {
                     return reply(msg);
                 }
                 let (_, index) = pending.remove(pos);
-                // struct nlmsgerr: the error code (0 for an ack), then the request it answers.
-                let code = msg
-                    .get(16..20)
-                    .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
-                if code != 0 && first_err.is_none() {
-                    first_err = Some(NetlinkError::Kernel {
-                        index,
-                        source: io::Error::from_raw_os_error(-code),
-                        ext_ack: ext_ack_text(u16::from_ne_bytes([msg[6], msg[7]]), msg),
-                    });
+                if first_err.is_none() {
+                    first_err = rejection(msg, index);
                 }
                 Ok(())
             })?;
@@ -401,6 +384,27 @@ impl std::os::fd::AsRawFd for NetlinkSocket {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.socket.as_raw_fd()
     }
+}
+
+/// A received message's type, flags and sequence number (`recv_each` hands over whole
+/// headers only).
+fn header_of(msg: &[u8]) -> (u16, u16, u32) {
+    let u16_at = |at: usize| u16::from_ne_bytes([msg[at], msg[at + 1]]);
+    let seq = u32::from_ne_bytes(msg[8..12].try_into().expect("4 bytes"));
+    (u16_at(4), u16_at(6), seq)
+}
+
+/// The kernel's refusal of request `index` in an `NLMSG_ERROR` message; `None` for an ack.
+fn rejection(msg: &[u8], index: usize) -> Option<NetlinkError> {
+    // struct nlmsgerr: the error code (0 for an ack), then the request it answers.
+    let code = msg
+        .get(16..20)
+        .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
+    (code != 0).then(|| NetlinkError::Kernel {
+        index,
+        source: io::Error::from_raw_os_error(-code),
+        ext_ack: ext_ack_text(header_of(msg).1, msg),
+    })
 }
 
 /// Finds `NLMSGERR_ATTR_MSG` in an `NLMSG_ERROR` datagram: after the 16-byte outer header come the

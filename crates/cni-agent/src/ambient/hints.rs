@@ -137,17 +137,11 @@ impl NetnsHints {
         removed
     }
 
-    /// The generations journal, opened for reading and appending (created when missing). A
-    /// symlink in its place is refused: the run dir is on the host.
+    /// The generations journal, opened for reading and appending (created when missing, in the
+    /// run dir the agent's sockets already created). A symlink in its place is refused: the run
+    /// dir is on the host.
     pub fn generations_journal(&self) -> std::io::Result<std::fs::File> {
-        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-        // The run dir, as the hints' directory would create it.
-        if let Some(run_dir) = self.dir.parent() {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(run_dir)?;
-        }
+        use std::os::unix::fs::OpenOptionsExt;
         std::fs::OpenOptions::new()
             .read(true)
             .append(true)
