@@ -6,7 +6,6 @@
 //! and stay `Pending` unless a test writes their status. The `ServiceAccount` admission plugin is
 //! off because nothing would create the `default` service account of a namespace.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -28,14 +27,6 @@ pub struct KubeTestEnv {
     /// Made once: every new client opens its own TLS connection, which cost each API call of a
     /// test ~50 ms.
     admin: std::sync::OnceLock<kube::Client>,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Directory holding `etcd` and `kube-apiserver`: `$K8S_TESTENV_DIR`, or built (and cached) now.
@@ -112,7 +103,7 @@ impl KubeTestEnv {
             admin: std::sync::OnceLock::new(),
         };
 
-        let (client_port, peer_port) = (free_port(), free_port());
+        let (client_port, peer_port) = (crate::ports::unused(), crate::ports::unused());
         let etcd_url = format!("http://127.0.0.1:{client_port}");
         let peer_url = format!("http://127.0.0.1:{peer_port}");
         env.processes.push(spawn(
@@ -153,7 +144,7 @@ impl KubeTestEnv {
         )
         .unwrap();
 
-        let port = free_port();
+        let port = crate::ports::unused();
         env.server = format!("https://127.0.0.1:{port}");
         let flags = [
             format!("--etcd-servers={etcd_url}"),

@@ -12,6 +12,7 @@ pub mod manifests;
 pub mod migrate;
 pub mod node;
 pub mod pod_proxy;
+pub mod ports;
 pub mod real_node;
 pub mod relay;
 pub mod switch;

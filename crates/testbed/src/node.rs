@@ -202,14 +202,6 @@ fn fake_kubelet(dir: &Path) -> Child {
         .expect("fake kubelet")
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Our plugin's type in the installed chain.
 const ISTIO_CNI: &str = "istio-cni";
 
@@ -317,7 +309,7 @@ impl TestNode {
         let node_netns = TestNetns::new("node");
         let api_forwarder = forward_loopback(&node_netns, api_port);
         let health_port = match options.agent {
-            Agent::Ours => free_port(),
+            Agent::Ours => crate::ports::unused(),
             Agent::Istio(_) => crate::istio_agent::READINESS_PORT,
         };
         let mut node = TestNode {
@@ -329,7 +321,7 @@ impl TestNode {
             api_forwarder,
             node_name: format!("node-{}", std::process::id()),
             health_port,
-            metrics_port: free_port(),
+            metrics_port: crate::ports::unused(),
             backend,
             extra_env: Vec::new(),
             agent: None,
