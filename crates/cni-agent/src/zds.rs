@@ -2,9 +2,14 @@
 //! network namespace (istio-cni.md §5).
 //!
 //! Per connection: hello (5 s), snapshot from the [`NetnsCache`] (Add + fd for pods with a netns,
-//! Keep for the others), SnapshotSent, then queued Add/Del requests strictly one at a time, each
-//! waiting for its ack. Adds go to the newest connection, Dels to all of them, so an upgrading
-//! ztunnel takes over new pods while the old one still serves the rest.
+//! Keep for the others), SnapshotSent, then queued Add/Del requests, each answered by its ack in
+//! order. Adds go to the newest connection, Dels to all of them, so an upgrading ztunnel takes
+//! over new pods while the old one still serves the rest.
+//!
+//! Difference from Istio: a few requests are written ahead of their acks (see `conn`), where
+//! Istio waits for each ack before the next write. ztunnel handles one datagram at a time and acks
+//! it before reading the next, so it sees the same sequence, and its acks still answer the
+//! requests in order.
 //!
 //! Difference from Istio (its QUIRK in §5.5): when an ack does not arrive in time we close the
 //! connection instead of keeping it. Acks are correlated only by order, so a late ack would
@@ -29,6 +34,11 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::{Notify, mpsc, oneshot};
 
 pub use server::ZdsServer;
+
+/// Requests a connection writes before it has read their acks. A few kilobytes at most: far below
+/// a unix socket's send buffer, so a write never waits for the peer to read, and the peer never
+/// waits for us to read its acks while we wait to write.
+pub const WRITE_AHEAD: usize = 8;
 
 /// Default `ZTUNNEL_UDS_ADDRESS`, also ztunnel's default `INPOD_UDS`.
 pub const DEFAULT_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";

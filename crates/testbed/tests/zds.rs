@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cni_agent::netns_cache::NetnsCache;
-use cni_agent::zds::packet;
+use cni_agent::zds::{self, packet};
 use cni_agent::zds::{ZdsConfig, ZdsError, ZdsHandle, ZdsServer};
 use cni_core::zds::{
     WorkloadInfo, WorkloadRequest, WorkloadResponse, ZdsHello, decode_ack, decode_hello,
@@ -854,5 +854,103 @@ async fn socket_dir_owner_is_the_trusted_ztunnel_and_others_are_refused() {
     // The other peer keeps reconnecting; none of its connections may be counted.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(agent.zds.connected(), 1, "uid {OTHER_UID} must be refused");
+    agent.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_snapshot_runs_ahead_of_its_acks_by_the_window_and_no_further() {
+    let agent = Agent::start();
+    let me = Netns::current().unwrap();
+    let pods = zds::WRITE_AHEAD + 4;
+    for i in 0..pods {
+        let uid = format!("pod-{i}");
+        agent
+            .cache
+            .upsert(&uid, info(&uid), me.try_clone().unwrap());
+    }
+    let sock = UnixSeqpacket::connect(&agent.path).await.unwrap();
+    packet::send(&sock, &encode_hello(&ZdsHello::v1()).unwrap(), None)
+        .await
+        .unwrap();
+    let next = || async {
+        let d = tokio::time::timeout(WAIT, packet::recv(&sock))
+            .await
+            .expect("a request")
+            .unwrap()
+            .expect("open");
+        decode_request(&d.bytes).unwrap()
+    };
+    let ack = || async {
+        let ack = encode_response(&WorkloadResponse::ack()).unwrap();
+        packet::send(&sock, &ack, None).await.unwrap();
+    };
+    let mut seen = Vec::new();
+    for _ in 0..zds::WRITE_AHEAD {
+        seen.push(next().await);
+    }
+    let more = tokio::time::timeout(Duration::from_millis(200), packet::recv(&sock)).await;
+    assert!(more.is_err(), "nothing beyond the window before an ack");
+    // Each ack lets exactly one more request out, until SnapshotSent.
+    while seen.last() != Some(&WorkloadRequest::snapshot_sent()) {
+        ack().await;
+        seen.push(next().await);
+    }
+    for _ in 0..zds::WRITE_AHEAD {
+        ack().await;
+    }
+    agent.wait_synced(1).await;
+    let mut uids: Vec<&str> = seen.iter().filter_map(|r| r.uid()).collect();
+    assert_eq!(uids.len(), pods, "{seen:?}");
+    uids.sort();
+    uids.dedup();
+    assert_eq!(uids.len(), pods, "every pod once: {seen:?}");
+    assert!(seen[..pods].iter().all(|r| r.kind() == "add"), "{seen:?}");
+    agent.shutdown().await;
+}
+
+#[tokio::test]
+async fn requests_written_ahead_get_their_own_acks() {
+    let agent = Agent::start();
+    let me = Netns::current().unwrap();
+    let sock = raw_client(&agent.path).await;
+    agent.wait_synced(1).await;
+    let adds = async {
+        tokio::join!(
+            agent.add("first", &me),
+            agent.add("refused", &me),
+            agent.add("last", &me)
+        )
+    };
+    let peer = async {
+        // All three arrive before any is acked, then are answered in the order they came.
+        let mut uids = Vec::new();
+        for _ in 0..3 {
+            let d = tokio::time::timeout(WAIT, packet::recv(&sock))
+                .await
+                .expect("written before any ack")
+                .unwrap()
+                .unwrap();
+            uids.push(decode_request(&d.bytes).unwrap().uid().unwrap().to_string());
+        }
+        for uid in &uids {
+            let resp = if uid == "refused" {
+                WorkloadResponse::nack("port busy")
+            } else {
+                WorkloadResponse::ack()
+            };
+            packet::send(&sock, &encode_response(&resp).unwrap(), None)
+                .await
+                .unwrap();
+        }
+        uids
+    };
+    let ((first, refused, last), uids) = tokio::join!(adds, peer);
+    assert_eq!(uids.len(), 3);
+    first.unwrap();
+    match refused {
+        Err(ZdsError::Nack(text)) => assert_eq!(text, "port busy"),
+        other => panic!("the nack belongs to the refused pod, got {other:?}"),
+    }
+    last.unwrap();
     agent.shutdown().await;
 }
