@@ -337,6 +337,8 @@ async fn run(agent: Agent) -> Figures {
             "restored enrolled pods",
             "enrolled pods' rules checked",
             "CNI ambient server marking ready",
+            "ztunnel hello",
+            "snapshot sent",
         ];
         let restart_lines: Vec<&str> = log
             .lines()
