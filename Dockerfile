@@ -23,6 +23,7 @@ RUN case "${TARGETARCH:-amd64}" in \
  && rustup target add "$(cat /musl-target)"
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
+COPY .cargo .cargo
 COPY proto proto
 COPY crates crates
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
