@@ -1,6 +1,8 @@
 //! Tables, chains, sets and rules of the model as nf_tables netlink messages, the batch that
 //! carries them, and the dumps that read them back.
 
+use std::collections::HashSet;
+
 use cni_core::redirect::nft::{
     BaseChain, Chain, ChainType, Hook, Rule, Ruleset, Set, SetKey, Table,
 };
@@ -394,9 +396,16 @@ pub struct SetElement {
     pub user_data: Option<Vec<u8>>,
 }
 
-/// Every element of inet set `set` in `table`. Decoded by hand ([`decode_set_elements`]): the
-/// netlink crate formats the whole remaining buffer into an error context at each element it
-/// parses, which made listing a probe set of 250 pods most of an agent restart's CPU.
+/// Every element of inet set `set` in `table`, each key once. Decoded by hand
+/// ([`decode_set_elements`]): the netlink crate formats the whole remaining buffer into an error
+/// context at each element it parses, which made listing a probe set of 250 pods most of an agent
+/// restart's CPU.
+///
+/// A hash set's dump can repeat elements, with no `NLM_F_DUMP_INTR` to say so: the kernel's
+/// walker starts over on the new table when the set is resized under it (it shrinks shortly after
+/// a large delete), and each part of a long dump skips by position, so a resize between parts
+/// repeats some elements and leaves out as many others. A listing with repeats is therefore
+/// taken again; after a few tries (a writer elsewhere keeps resizing), the repeats are dropped.
 pub fn read_set_elements(
     sock: &mut NetlinkSocket,
     table: &str,
@@ -408,12 +417,24 @@ pub fn read_set_elements(
             SetElementList::Set(set.to_string()),
         ],
     });
-    let mut out = Vec::new();
-    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWSETELEM)?.iter() {
-        out.extend(decode_set_elements(payload)?);
+    let mut tries = 0;
+    loop {
+        let mut out = Vec::new();
+        for (_, payload) in dump_raw(sock, request.clone(), NFT_MSG_NEWSETELEM)?.iter() {
+            out.extend(decode_set_elements(payload)?);
+        }
+        let listed = out.len();
+        let mut seen = HashSet::with_capacity(listed);
+        out.retain(|e| seen.insert(e.key.clone()));
+        tries += 1;
+        if out.len() == listed || tries == READS_WITH_REPEATS {
+            return Ok(out);
+        }
     }
-    Ok(out)
 }
+
+/// How many listings of a set with repeated elements are taken before the repeats are dropped.
+const READS_WITH_REPEATS: usize = 5;
 
 /// One `NFT_MSG_NEWSETELEM` payload: the elements it carries. Public so the decoder can be
 /// fuzzed on its own.
