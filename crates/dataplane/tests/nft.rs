@@ -564,6 +564,25 @@ fn host_rules_and_probe_sets() {
     assert_eq!(sets.list(&host).unwrap(), vec![]);
 }
 
+/// Address `i` of many in 10.`net`.0.0/16, 200 to a /24.
+fn numbered_ip(net: u8, i: usize) -> IpAddr {
+    format!("10.{net}.{}.{}", i / 200, i % 200 + 1)
+        .parse()
+        .unwrap()
+}
+
+fn numbered_uids(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("uid-{i}")).collect()
+}
+
+/// One probe entry per UID, the i-th at [`numbered_ip`] `i`.
+fn numbered_entries(net: u8, uids: &[String]) -> Vec<(IpAddr, &str)> {
+    uids.iter()
+        .enumerate()
+        .map(|(i, u)| (numbered_ip(net, i), u.as_str()))
+        .collect()
+}
+
 /// An agent restart puts every enrolled pod's address back at once, into sets that usually still
 /// hold them all. Re-adding 250 present entries in one batch overflowed the netlink socket with
 /// acks (`ENOBUFS`) and failed the restore.
@@ -574,13 +593,9 @@ fn many_probe_entries_restore_and_restore_again() {
     let host = ns.open();
     apply_host_rules(&host, &host_cfg(false)).unwrap();
     let sets = ProbeSets { ipv6: false };
-    let ip = |i: usize| -> IpAddr { format!("10.1.{}.{}", i / 200, i % 200 + 1).parse().unwrap() };
-    let uids: Vec<String> = (0..300).map(|i| format!("uid-{i}")).collect();
-    let entries: Vec<(IpAddr, &str)> = uids
-        .iter()
-        .enumerate()
-        .map(|(i, u)| (ip(i), u.as_str()))
-        .collect();
+    let ip = |i| numbered_ip(1, i);
+    let uids = numbered_uids(300);
+    let entries = numbered_entries(1, &uids);
     let sorted = |mut v: Vec<ProbeEntry>| {
         v.sort_by_key(|e| e.ip);
         v
@@ -638,14 +653,9 @@ fn a_probe_set_listed_while_it_resizes_holds_each_address_once() {
     let ns = TestNetns::new("nft-host-resize");
     let host = ns.open();
     apply_host_rules(&host, &host_cfg(false)).unwrap();
-    let ip = |i: usize| -> IpAddr { format!("10.2.{}.{}", i / 200, i % 200 + 1).parse().unwrap() };
-    let uids: Vec<String> = (0..2000).map(|i| format!("uid-{i}")).collect();
-    let entries: Vec<(IpAddr, &str)> = uids
-        .iter()
-        .enumerate()
-        .map(|(i, u)| (ip(i), u.as_str()))
-        .collect();
-    let keep: HashSet<IpAddr> = (0..10).map(ip).collect();
+    let uids = numbered_uids(2000);
+    let entries = numbered_entries(2, &uids);
+    let keep: HashSet<IpAddr> = (0..10).map(|i| numbered_ip(2, i)).collect();
 
     let done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
