@@ -475,6 +475,23 @@ async fn idle_connection_notices_a_dead_peer() {
     agent.shutdown().await;
 }
 
+/// The next request the agent writes to a raw peer, within [`WAIT`].
+async fn next_request(sock: &UnixSeqpacket) -> WorkloadRequest {
+    let d = tokio::time::timeout(WAIT, packet::recv(sock))
+        .await
+        .expect("a request within the wait")
+        .unwrap()
+        .expect("connection open");
+    decode_request(&d.bytes).unwrap()
+}
+
+/// A raw peer sends `resp` (the agent takes it as the answer to its oldest unanswered request).
+async fn respond(sock: &UnixSeqpacket, resp: &WorkloadResponse) {
+    packet::send(sock, &encode_response(resp).unwrap(), None)
+        .await
+        .unwrap();
+}
+
 /// A raw client that completes the handshake by hand (acking everything).
 async fn raw_client(path: &Path) -> UnixSeqpacket {
     let sock = UnixSeqpacket::connect(path).await.unwrap();
@@ -486,13 +503,7 @@ async fn raw_client(path: &Path) -> UnixSeqpacket {
             .await
             .unwrap()
             .expect("snapshot message");
-        packet::send(
-            &sock,
-            &encode_response(&WorkloadResponse::ack()).unwrap(),
-            None,
-        )
-        .await
-        .unwrap();
+        respond(&sock, &WorkloadResponse::ack()).await;
         if decode_request(&d.bytes).unwrap() == WorkloadRequest::snapshot_sent() {
             return sock;
         }
@@ -504,13 +515,7 @@ async fn unsolicited_message_is_a_protocol_error() {
     let agent = Agent::start();
     let sock = raw_client(&agent.path).await;
     agent.wait_synced(1).await;
-    packet::send(
-        &sock,
-        &encode_response(&WorkloadResponse::ack()).unwrap(),
-        None,
-    )
-    .await
-    .unwrap();
+    respond(&sock, &WorkloadResponse::ack()).await;
     let closed = tokio::time::timeout(WAIT, packet::recv(&sock))
         .await
         .unwrap()
@@ -872,31 +877,19 @@ async fn a_snapshot_runs_ahead_of_its_acks_by_the_window_and_no_further() {
     packet::send(&sock, &encode_hello(&ZdsHello::v1()).unwrap(), None)
         .await
         .unwrap();
-    let next = || async {
-        let d = tokio::time::timeout(WAIT, packet::recv(&sock))
-            .await
-            .expect("a request")
-            .unwrap()
-            .expect("open");
-        decode_request(&d.bytes).unwrap()
-    };
-    let ack = || async {
-        let ack = encode_response(&WorkloadResponse::ack()).unwrap();
-        packet::send(&sock, &ack, None).await.unwrap();
-    };
     let mut seen = Vec::new();
     for _ in 0..zds::WRITE_AHEAD {
-        seen.push(next().await);
+        seen.push(next_request(&sock).await);
     }
     let more = tokio::time::timeout(Duration::from_millis(200), packet::recv(&sock)).await;
     assert!(more.is_err(), "nothing beyond the window before an ack");
     // Each ack lets exactly one more request out, until SnapshotSent.
     while seen.last() != Some(&WorkloadRequest::snapshot_sent()) {
-        ack().await;
-        seen.push(next().await);
+        respond(&sock, &WorkloadResponse::ack()).await;
+        seen.push(next_request(&sock).await);
     }
     for _ in 0..zds::WRITE_AHEAD {
-        ack().await;
+        respond(&sock, &WorkloadResponse::ack()).await;
     }
     agent.wait_synced(1).await;
     let mut uids: Vec<&str> = seen.iter().filter_map(|r| r.uid()).collect();
@@ -925,12 +918,7 @@ async fn requests_written_ahead_get_their_own_acks() {
         // All three arrive before any is acked, then are answered in the order they came.
         let mut uids = Vec::new();
         for _ in 0..3 {
-            let d = tokio::time::timeout(WAIT, packet::recv(&sock))
-                .await
-                .expect("written before any ack")
-                .unwrap()
-                .unwrap();
-            uids.push(decode_request(&d.bytes).unwrap().uid().unwrap().to_string());
+            uids.push(next_request(&sock).await.uid().unwrap().to_string());
         }
         for uid in &uids {
             let resp = if uid == "refused" {
@@ -938,9 +926,7 @@ async fn requests_written_ahead_get_their_own_acks() {
             } else {
                 WorkloadResponse::ack()
             };
-            packet::send(&sock, &encode_response(&resp).unwrap(), None)
-                .await
-                .unwrap();
+            respond(&sock, &resp).await;
         }
         uids
     };
