@@ -22,7 +22,7 @@ use crate::ambient::mesh::Mesh;
 use crate::ambient::node::{NodeDataplane, seams};
 use crate::ambient::reconciler::{Policy, Reconciler};
 use crate::handover::{AgentLock, SocketFile, Taken, Waiting};
-use crate::http::{Readiness, health_router, metrics_router};
+use crate::http::{Readiness, ReadyFlag, health_router, metrics_router};
 use crate::install::Installer;
 use crate::install::config::InstallConfig;
 use crate::metrics::Metrics;
@@ -64,6 +64,8 @@ pub struct AmbientSetup {
     pub native_nftables: bool,
     /// Namespace of our DaemonSet (safe-upgrade check).
     pub pod_namespace: String,
+    /// This agent's pod (safe-upgrade check), empty when not known.
+    pub pod_name: String,
     /// Istio-owned CNI config mode: on an unclear shutdown, keep things in place.
     pub owned_config: bool,
 }
@@ -118,16 +120,22 @@ async fn bind_tcp(
 }
 
 /// Runs until `shutdown` completes, then cleans up as an upgrade or an uninstall requires.
+/// `unhonoured`: settings given a value the agent cannot honour, named in the log and `/readyz`.
 pub async fn run(
     install: InstallConfig,
     ports: Ports,
     ambient: Option<AmbientSetup>,
     repair: Option<crate::repair::RepairSetup>,
+    unhonoured: Vec<String>,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
     let readiness = Readiness::new();
+    for setting in unhonoured {
+        tracing::warn!("setting not honoured: {setting}");
+        readiness.unhonoured(setting);
+    }
     let install_flag = readiness.condition("installer");
 
     let run_dir = install.run_dir.clone();
@@ -269,18 +277,29 @@ fn spawn_heap_trims() {
     });
 }
 
-/// Beyond Istio: enrolled pods' rules are re-verified continuously, so a flushed table or a deleted
-/// rule is repaired within one interval instead of leaving the pod unredirected until it restarts.
+/// Beyond Istio: enrolled pods' rules, and the host's probe rules and sets, are re-verified
+/// continuously, so a flushed table or a deleted rule is repaired within one interval instead of
+/// leaving pods unredirected (or their probes failing) until the agent restarts. A host repair
+/// that fails holds readiness false until one succeeds.
 fn spawn_drift_checks(
     cluster: crate::ambient::cluster::SharedCache,
     mesh: Arc<Mesh>,
     every: Duration,
+    host_ready: ReadyFlag,
 ) {
+    host_ready.set(true);
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
             // Hints a full run dir refused, now that there may be room.
             mesh.hints.write_pending();
+            match mesh.repair_host().await {
+                Ok(_) => host_ready.set(true),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot check or repair the host probe rules");
+                    host_ready.set(false);
+                }
+            }
             let enrolled: Vec<Arc<crate::ambient::cluster::CachedPod>> = cluster
                 .read()
                 .unwrap()
@@ -302,7 +321,11 @@ struct AmbientNode {
     node_name: String,
     owned_config: bool,
     disable_safe_upgrade: bool,
-    daemonset: crate::ambient::upgrade::DaemonSetView,
+    /// The pod watch's cache, and whether it has listed: where the shutdown looks for this
+    /// agent's own pod.
+    cluster: Arc<Cluster>,
+    readiness: Arc<Readiness>,
+    pod_name: String,
     /// The plugin event and debug sockets.
     sockets: Vec<SocketFile>,
 }
@@ -315,11 +338,32 @@ impl AmbientNode {
                 &self.pod_namespace,
                 &self.node_name,
                 self.owned_config,
-                &self.daemonset,
+                || self.own_pod(),
             )
             .await
     }
+
+    fn own_pod(&self) -> crate::ambient::upgrade::OwnPod {
+        let key = (self.pod_namespace.clone(), self.pod_name.clone());
+        let cached = self
+            .cluster
+            .read()
+            .unwrap()
+            .pods
+            .get(&key)
+            .map(|p| p.metadata.deletion_timestamp.is_some());
+        crate::ambient::upgrade::OwnPod::from_watch(
+            !self.pod_name.is_empty(),
+            !self.readiness.not_ready().contains(&WATCHES),
+            cached,
+        )
+    }
 }
+
+/// The readiness condition of the pod and namespace watches' first lists.
+const WATCHES: &str = "watches";
+/// The readiness condition of the host's probe rules and sets, while drift checks run.
+const HOST_PROBE_RULES: &str = "host probe rules";
 
 /// `install-cni explain` asks the running agent here.
 pub const DEBUG_SOCKET: &str = "debug.sock";
@@ -344,7 +388,7 @@ async fn start_ambient(
         &cfg.node_name,
         cluster.clone(),
         tx.clone(),
-        readiness.condition("watches"),
+        readiness.condition(WATCHES),
     );
     let host = if let Some(path) = &cfg.host_netns {
         dataplane::netns::Netns::open(path)?
@@ -482,7 +526,12 @@ async fn start_ambient(
         "debug",
     )?;
     if let Some(every) = cfg.drift_check_interval {
-        spawn_drift_checks(cluster, mesh, every);
+        spawn_drift_checks(
+            cluster.clone(),
+            mesh,
+            every,
+            readiness.condition(HOST_PROBE_RULES),
+        );
     }
 
     let zds_flag = readiness.condition("zds");
@@ -499,10 +548,9 @@ async fn start_ambient(
 
     Ok(AmbientNode {
         dataplane,
-        daemonset: crate::ambient::upgrade::watch_daemonset(
-            setup.client.clone(),
-            &setup.pod_namespace,
-        ),
+        cluster,
+        readiness: readiness.clone(),
+        pod_name: setup.pod_name,
         client: setup.client,
         pod_namespace: setup.pod_namespace,
         node_name: cfg.node_name,

@@ -125,22 +125,6 @@ fn options(c: &Common) -> BackendOptions {
     }
 }
 
-/// The error and its causes, skipping causes the message above already spells out (many of
-/// our errors embed their source in their own text).
-pub fn describe(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-    }
-    out
-}
-
 /// Runs the command: exit 0 on success (or in sync), 1 when `verify` finds drift or absence.
 pub fn run(args: DataplaneArgs) -> anyhow::Result<ExitCode> {
     match args.target {
@@ -288,9 +272,11 @@ fn host(a: HostArgs) -> anyhow::Result<ExitCode> {
                     dataplane::nft::host::remove_host_rules(&host)?
                 }
                 Action::Verify => {
-                    anyhow::bail!("host verify is implemented for the iptables backend only")
+                    return Ok(report(dataplane::nft::host::verify_host_rules(
+                        &host, &hcfg,
+                    )?));
                 }
-                _ => println!("{hcfg:?}"),
+                _ => print!("{}", cni_core::redirect::nft::host_ruleset(&hcfg).render()),
             }
         }
     }
@@ -409,7 +395,7 @@ status:
         let bad = SIDECAR_POD_YAML.replace("'5555'", "'55555555'");
         let path = pod_file(dir.path(), "bad.yaml", &bad);
         let a = sidecar_apply(&path, &[]);
-        let err = describe(&sidecar(a).unwrap_err());
+        let err = crate::logging::describe_error(&sidecar(a).unwrap_err());
         assert!(
             err.contains("traffic.sidecar.istio.io/excludeOutboundPorts"),
             "{err}"

@@ -39,6 +39,14 @@ pub struct BackendLabel {
     pub backend: String,
 }
 
+/// `istio_cni_drift_repairs_total`: the backend, and whether a pod's rules (`pod`) or the host's
+/// probe rules and sets (`host`) were repaired.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DriftLabel {
+    pub backend: String,
+    pub scope: &'static str,
+}
+
 /// `istio_cni_installs_total`, by `result`.
 pub type InstallResults = Family<ResultLabel, Counter>;
 
@@ -75,8 +83,9 @@ pub struct Metrics {
     pub zds_ack_seconds: Histogram,
     /// Informer event seen → pod enrolled and annotated.
     pub event_to_enrolled_seconds: Histogram,
-    /// Enrolled pods whose rules were found drifted (changed, removed) and re-applied.
-    pub drift_repairs: Family<BackendLabel, Counter>,
+    /// Enrolled pods whose rules, and host probe states, found drifted (changed, removed) and
+    /// re-applied.
+    pub drift_repairs: Family<DriftLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -157,7 +166,7 @@ impl Metrics {
         );
         registry.register(
             "istio_cni_drift_repairs",
-            "Enrolled pods whose drifted rules were re-applied",
+            "Drifted in-pod rules (scope pod) and host probe rules or sets (scope host) re-applied",
             m.drift_repairs.clone(),
         );
         registry.register_collector(Box::new(process::ProcessCollector::current()));
@@ -270,7 +279,12 @@ mod tests {
             backend: "nftables".into(),
         };
         m.rule_apply_seconds.get_or_create(&backend).observe(0.001);
-        m.drift_repairs.get_or_create(&backend).inc();
+        m.drift_repairs
+            .get_or_create(&DriftLabel {
+                backend: "nftables".into(),
+                scope: "pod",
+            })
+            .inc();
         let mut text = String::new();
         encode(&mut text, &registry).unwrap();
         let exported = |family: &str, kind: &str| match kind {

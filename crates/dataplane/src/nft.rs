@@ -243,15 +243,9 @@ impl NftablesBackend {
             return Ok(RuleState::InSync);
         }
         let actual = wire::read_tables(sock, &INPOD_TABLES)?;
-        if actual.tables.is_empty() {
-            return Ok(RuleState::Absent);
-        }
-        let (missing, unexpected) = diff(&desired.ruleset, &actual);
-        if !missing.is_empty() || !unexpected.is_empty() {
-            return Ok(RuleState::Drifted(Drift {
-                missing,
-                unexpected,
-            }));
+        let state = state_of(&desired.ruleset, &actual);
+        if state != RuleState::InSync {
+            return Ok(state);
         }
         if let Some((generations, mark)) = mark
             && wire::generation(sock).ok() == Some(mark.generation)
@@ -259,6 +253,22 @@ impl NftablesBackend {
             generations.remember(mark);
         }
         Ok(RuleState::InSync)
+    }
+}
+
+/// How `actual` (our tables as read back) stands against `desired`.
+fn state_of(desired: &Ruleset, actual: &Ruleset) -> RuleState {
+    if actual.tables.is_empty() {
+        return RuleState::Absent;
+    }
+    let (missing, unexpected) = diff(desired, actual);
+    if missing.is_empty() && unexpected.is_empty() {
+        RuleState::InSync
+    } else {
+        RuleState::Drifted(Drift {
+            missing,
+            unexpected,
+        })
     }
 }
 

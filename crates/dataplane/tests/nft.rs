@@ -10,6 +10,7 @@ use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::nft::generations::Generations;
 use dataplane::nft::host::{
     ProbeEntry, ProbeSets, apply_host_rules, destroy_host_table, remove_host_rules,
+    verify_host_rules,
 };
 use dataplane::nft::{NftError, NftablesBackend};
 use dataplane::require_root;
@@ -480,6 +481,68 @@ fn host_cfg(ipv6: bool) -> HostProbeConfig {
         probe_snat_v4: consts::PROBE_SNAT_V4,
         probe_snat_v6: consts::PROBE_SNAT_V6,
     }
+}
+
+/// What a firewall reload or another agent does to the host table is seen by verify, and a
+/// re-apply repairs it keeping the entries the sets still hold.
+#[test]
+fn host_rules_verified_against_flushes_and_foreign_rules() {
+    require_root!();
+    let ns = TestNetns::new("nft-hostv");
+    let host = ns.open();
+    let cfg = host_cfg(false);
+    assert_eq!(verify_host_rules(&host, &cfg).unwrap(), RuleState::Absent);
+    apply_host_rules(&host, &cfg).unwrap();
+    assert_eq!(verify_host_rules(&host, &cfg).unwrap(), RuleState::InSync);
+    let sets = ProbeSets { ipv6: false };
+    let ip: IpAddr = "10.0.0.5".parse().unwrap();
+    sets.upsert(&host, ip, "uid-a").unwrap();
+
+    // The SNAT rule flushed from its chain (a tuning daemon's `flush chain`).
+    ns.exec(
+        "nft",
+        &["flush", "chain", "inet", "istio-ambient-nat", "postrouting"],
+    );
+    let RuleState::Drifted(d) = verify_host_rules(&host, &cfg).unwrap() else {
+        panic!("a flushed chain is not drift");
+    };
+    assert!(
+        d.missing
+            .iter()
+            .any(|l| l.contains("snat ip to 169.254.7.127")),
+        "{d}"
+    );
+    apply_host_rules(&host, &cfg).unwrap();
+    assert_eq!(verify_host_rules(&host, &cfg).unwrap(), RuleState::InSync);
+    assert_eq!(
+        sets.list(&host).unwrap().len(),
+        1,
+        "the repair lost the entry"
+    );
+
+    // A rule someone else added to our chain.
+    ns.exec(
+        "nft",
+        &[
+            "add",
+            "rule",
+            "inet",
+            "istio-ambient-nat",
+            "postrouting",
+            "counter",
+        ],
+    );
+    assert!(matches!(
+        verify_host_rules(&host, &cfg).unwrap(),
+        RuleState::Drifted(d) if !d.unexpected.is_empty()
+    ));
+
+    // `nft flush ruleset`: everything, sets included, gone.
+    ns.exec("nft", &["flush", "ruleset"]);
+    assert_eq!(verify_host_rules(&host, &cfg).unwrap(), RuleState::Absent);
+    apply_host_rules(&host, &cfg).unwrap();
+    assert_eq!(verify_host_rules(&host, &cfg).unwrap(), RuleState::InSync);
+    assert!(sets.list(&host).unwrap().is_empty());
 }
 
 #[test]

@@ -32,7 +32,7 @@ use dataplane::inpod::RuleState;
 use dataplane::netns::Netns;
 
 use super::cluster::{Annotator, CachedPod};
-use crate::metrics::{BackendLabel, Metrics, observe};
+use crate::metrics::{BackendLabel, DriftLabel, Metrics, observe};
 use crate::netns_cache::NetnsCache;
 use crate::procfs::{
     HostNetns, NetnsOpener, ProcScanner, WantedPod, addresses, addresses_contain_any,
@@ -66,6 +66,12 @@ pub trait ProbeSet: Send + Sync + 'static {
             .iter()
             .try_for_each(|(ip, uid)| self.upsert(*ip, uid))
     }
+    /// Checks the host's probe SNAT rules and the sets themselves, and re-applies them where
+    /// they drifted (the sets keep the entries they still hold). Returns what was found then.
+    fn repair_rules(&self) -> Result<Option<RuleState>, BoxError>;
+    /// The entries of `want` the set lacks (or holds for another pod), leaving out addresses the
+    /// set never holds.
+    fn missing(&self, want: &[(IpAddr, String)]) -> Result<Vec<(IpAddr, String)>, BoxError>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -195,6 +201,22 @@ impl ProbeIps {
 
     fn forget(&self, uid: &str) {
         self.0.lock().unwrap().remove(uid);
+    }
+
+    /// Every recorded (IP, pod UID).
+    fn entries(&self) -> Vec<(IpAddr, String)> {
+        let m = self.0.lock().unwrap();
+        m.iter()
+            .flat_map(|(uid, ips)| ips.iter().map(move |ip| (*ip, uid.clone())))
+            .collect()
+    }
+
+    fn holds(&self, uid: &str, ip: IpAddr) -> bool {
+        self.0
+            .lock()
+            .unwrap()
+            .get(uid)
+            .is_some_and(|ips| ips.contains(&ip))
     }
 }
 
@@ -958,15 +980,57 @@ impl Mesh {
         self.report_repair(pod, result)
     }
 
+    fn count_drift_repair(&self, scope: &'static str) {
+        let label = DriftLabel {
+            backend: self.rules.backend().to_string(),
+            scope,
+        };
+        self.metrics.drift_repairs.get_or_create(&label).inc();
+    }
+
+    /// Beyond Istio, the host side under the same drift repair as pods: a firewall reload or a
+    /// tuning daemon that flushes nat (or `nft flush ruleset`) takes the probe SNAT rules and set
+    /// entries, and kubelet's probes to every ambient pod fail while the agent lives. The rules
+    /// are re-applied where they drifted, and every entry this agent made and still holds is put
+    /// back. Returns whether anything was repaired; an error leaves the host as it was found.
+    pub async fn repair_host(&self) -> Result<bool, BoxError> {
+        let probes = self.probes.clone();
+        let want = self.probe_ips.entries();
+        let (rules, missing) = on_thread(move || {
+            let rules = probes.repair_rules()?;
+            Ok((rules, probes.missing(&want)?))
+        })
+        .await?;
+        if let Some(was) = &rules {
+            tracing::warn!(?was, "host probe rules drifted; re-applied");
+        }
+        let mut restored = 0;
+        for (ip, uid) in missing {
+            // Under the pod's lock, and only while still recorded: an entry of a pod removed
+            // since the list was taken must stay removed.
+            let _pod_lock = self.locks.lock(&uid).await;
+            if !self.probe_ips.holds(&uid, ip) {
+                continue;
+            }
+            self.upsert_probes(vec![(ip, uid)]).await?;
+            restored += 1;
+        }
+        if restored > 0 {
+            tracing::warn!(entries = restored, "host probe set lost entries; restored");
+        }
+        let repaired = rules.is_some() || restored > 0;
+        if repaired {
+            self.count_drift_repair("host");
+        }
+        Ok(repaired)
+    }
+
     /// Logs and counts what [`check_and_repair`] found; returns whether the pod was repaired.
     fn report_repair(&self, pod: &CachedPod, result: Result<Option<RuleState>, BoxError>) -> bool {
         match result {
             Ok(None) => false,
             Ok(Some(was)) => {
-                let label = BackendLabel {
-                    backend: self.rules.backend().to_string(),
-                };
-                self.metrics.drift_repairs.get_or_create(&label).inc();
+                self.count_drift_repair("pod");
                 tracing::warn!(pod = %name(pod), ?was, "in-pod rules drifted; re-applied");
                 true
             }

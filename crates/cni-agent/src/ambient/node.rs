@@ -395,6 +395,53 @@ impl ProbeSet for NodeDataplane {
             .try_for_each(|(ip, _)| self.route_branch_eni(*ip))
     }
 
+    fn repair_rules(&self) -> Result<Option<RuleState>, BoxError> {
+        let state = match &self.backend {
+            Backend::Iptables { backend: b, .. } => {
+                dataplane::host::verify_rules(&self.host, b, &self.cfg)?
+            }
+            Backend::Nftables { host, .. } => {
+                dataplane::nft::host::verify_host_rules(&self.host, host)?
+            }
+        };
+        if state == RuleState::InSync {
+            return Ok(None);
+        }
+        // Both keep the entries of sets that still exist, and create the ones that do not.
+        match &self.backend {
+            Backend::Iptables { backend: b, .. } => {
+                dataplane::host::apply_rules(&self.host, b, &self.cfg)?
+            }
+            Backend::Nftables { host, .. } => {
+                dataplane::nft::host::apply_host_rules(&self.host, host)?
+            }
+        }
+        Ok(Some(state))
+    }
+
+    fn missing(&self, want: &[(IpAddr, String)]) -> Result<Vec<(IpAddr, String)>, BoxError> {
+        let present: HashSet<(IpAddr, String)> = match &self.backend {
+            Backend::Iptables { .. } => {
+                let sets = dataplane::host::ProbeSet { host: &self.host };
+                let mut present = HashSet::new();
+                for f in self.families() {
+                    present.extend(sets.list(f)?);
+                }
+                present
+            }
+            Backend::Nftables { host, sock, .. } => ProbeSets { ipv6: host.ipv6 }
+                .list(sock)?
+                .into_iter()
+                .map(|e| (e.ip, e.pod_uid))
+                .collect(),
+        };
+        Ok(want
+            .iter()
+            .map(|(ip, uid)| (ip.to_canonical(), uid.clone()))
+            .filter(|(ip, uid)| self.probed(*ip) && !present.contains(&(*ip, uid.clone())))
+            .collect())
+    }
+
     fn prune(&self, keep: &HashSet<IpAddr>) -> Result<(), BoxError> {
         match &self.backend {
             Backend::Iptables { .. } => {

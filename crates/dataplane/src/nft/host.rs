@@ -17,9 +17,10 @@ use netlink_packet_netfilter::nftables::{
 };
 
 use super::wire::{
-    Batch, change, find_tlv, nul_terminated, push_tlv, read_set_elements, string_of,
+    Batch, change, find_tlv, nul_terminated, push_tlv, read_set_elements, read_tables, string_of,
 };
 use super::{NftAccess, NftError, with_socket};
+use crate::inpod::RuleState;
 use crate::netlink::{NetlinkError, NetlinkSocket};
 use crate::netns::Netns;
 use netlink_packet_core::NLM_F_EXCL;
@@ -44,6 +45,14 @@ pub fn apply_host_rules(netns: &Netns, cfg: &HostProbeConfig) -> Result<(), NftE
         batch.add_contents(table);
     }
     with_socket(netns, move |sock| batch.commit(sock))
+}
+
+/// The host table (its sets and the SNAT rule) against [`host_ruleset`]: what a firewall reload
+/// or `nft flush ruleset` took. The sets' elements are not compared; [`ProbeSets::list`] reads
+/// them.
+pub fn verify_host_rules(netns: &Netns, cfg: &HostProbeConfig) -> Result<RuleState, NftError> {
+    let actual = with_socket(netns, |sock| read_tables(sock, &[NAT_TABLE]))?;
+    Ok(super::state_of(&host_ruleset(cfg), &actual))
 }
 
 /// Removes the SNAT rule (its whole chain) but keeps the table and the sets with their elements,
