@@ -4,13 +4,20 @@
 //! both annotations containerd looks at, so the import tags it with the full reference. An image
 //! may have several references (one index entry each, all for the same manifest), as a registry
 //! image has several tags: Istio's charts name theirs `<tag>-<variant>`.
+//!
+//! A release is one image per platform under one name: [`index_archive`] puts single-image
+//! archives (each built for its own architecture) behind an OCI image index, the form a registry
+//! serves for `docker pull` on any platform.
+
+use std::collections::BTreeMap;
 
 use ring::digest::{SHA256, digest};
 use serde_json::{Value, json};
 
-use crate::tar::Tree;
+use crate::tar::{self, Tree};
 
 const MANIFEST_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
+const INDEX_TYPE: &str = "application/vnd.oci.image.index.v1+json";
 const CONFIG_TYPE: &str = "application/vnd.oci.image.config.v1+json";
 const LAYER_TYPE: &str = "application/vnd.oci.image.layer.v1.tar";
 /// containerd's own annotation; it takes precedence over the OCI one on import.
@@ -26,6 +33,12 @@ pub enum ImageError {
     BadReference(String),
     #[error("environment entry {0:?} must be NAME=VALUE")]
     BadEnv(String),
+    #[error("architecture {0:?} is not an OCI architecture name (amd64, arm64, …)")]
+    BadArchitecture(String),
+    #[error("image archive #{index}: {problem}")]
+    BadArchive { index: usize, problem: String },
+    #[error("two images for linux/{0}: an index has one image per platform")]
+    DuplicatePlatform(String),
 }
 
 /// What goes into the image config besides the layer.
@@ -38,6 +51,10 @@ pub struct Config {
     /// `User` of the image config (`uid[:gid]`): a pod with `runAsNonRoot` and no `runAsUser`
     /// starts only when the image names a numeric non-root user.
     pub user: Option<String>,
+    /// `Labels` of the image config (`org.opencontainers.image.source`, …).
+    pub labels: BTreeMap<String, String>,
+    /// The OCI architecture the binaries are built for; the machine's own when `None`.
+    pub architecture: Option<String>,
 }
 
 /// `amd64`/`arm64`/… for the machine this runs on, as OCI spells it.
@@ -71,6 +88,18 @@ pub fn check_reference(reference: &str) -> Result<(), ImageError> {
     }
 }
 
+fn check_architecture(arch: &str) -> Result<(), ImageError> {
+    let ok = !arch.is_empty()
+        && arch
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    if ok {
+        Ok(())
+    } else {
+        Err(ImageError::BadArchitecture(arch.into()))
+    }
+}
+
 fn sha256(data: &[u8]) -> String {
     let d = digest(&SHA256, data);
     let hex: String = d.as_ref().iter().map(|b| format!("{b:02x}")).collect();
@@ -82,7 +111,12 @@ fn descriptor(media_type: &str, blob: &[u8]) -> Value {
 }
 
 fn blob_path(blob: &[u8]) -> String {
-    format!("/blobs/sha256/{}", &sha256(blob)["sha256:".len()..])
+    format!("/{}", blob_key(&sha256(blob)))
+}
+
+/// Where the blob of `digest` is in a layout archive (as [`tar::read_files`] names it).
+fn blob_key(digest: &str) -> String {
+    format!("blobs/sha256/{}", digest.trim_start_matches("sha256:"))
 }
 
 /// The image as an OCI layout archive, and the manifest's digest.
@@ -114,6 +148,8 @@ pub fn archive_named(
     {
         return Err(ImageError::BadEnv(bad.clone()));
     }
+    let arch = config.architecture.as_deref().unwrap_or(host_arch());
+    check_architecture(arch)?;
     let layer = rootfs.to_tar();
     let mut runtime = serde_json::Map::new();
     if !config.env.is_empty() {
@@ -131,8 +167,11 @@ pub fn archive_named(
     if let Some(user) = &config.user {
         runtime.insert("User".into(), json!(user));
     }
+    if !config.labels.is_empty() {
+        runtime.insert("Labels".into(), json!(config.labels));
+    }
     let image_config = to_bytes(&json!({
-        "architecture": host_arch(),
+        "architecture": arch,
         "os": "linux",
         "config": runtime,
         "rootfs": {"type": "layers", "diff_ids": [sha256(&layer)]},
@@ -143,39 +182,153 @@ pub fn archive_named(
         "config": descriptor(CONFIG_TYPE, &image_config),
         "layers": [descriptor(LAYER_TYPE, &layer)],
     }));
+    let platform = json!({"architecture": arch, "os": "linux"});
+    let index = top_index(references, MANIFEST_TYPE, &manifest, Some(&platform), |r| r);
+    Ok((
+        layout(&index, [&layer, &image_config, &manifest]),
+        sha256(&manifest),
+    ))
+}
+
+/// `index.json`: one entry per name, all for `target`. `ref_name` gives what the OCI annotation
+/// holds; containerd's always holds the whole reference.
+fn top_index(
+    references: &[&str],
+    media_type: &str,
+    target: &[u8],
+    platform: Option<&Value>,
+    ref_name: impl Fn(&str) -> &str,
+) -> Vec<u8> {
     let entries: Vec<Value> = references
         .iter()
         .map(|reference| {
-            let mut entry = descriptor(MANIFEST_TYPE, &manifest);
-            entry["platform"] = json!({"architecture": host_arch(), "os": "linux"});
-            entry["annotations"] = json!({CONTAINERD_NAME: reference, OCI_REF_NAME: reference});
+            let mut entry = descriptor(media_type, target);
+            if let Some(p) = platform {
+                entry["platform"] = p.clone();
+            }
+            entry["annotations"] =
+                json!({CONTAINERD_NAME: reference, OCI_REF_NAME: ref_name(reference)});
             entry
         })
         .collect();
-    let index = to_bytes(&json!({
+    to_bytes(&json!({
         "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "mediaType": INDEX_TYPE,
         "manifests": entries,
-    }));
+    }))
+}
 
+/// The OCI layout as a tar: `oci-layout`, `index.json` and every blob under its digest.
+fn layout<'a>(index: &[u8], blobs: impl IntoIterator<Item = &'a Vec<u8>>) -> Vec<u8> {
     let mut out = Tree::new();
     let file = |t: &mut Tree, path: &str, data: &[u8]| {
-        // Distinct blobs never share a path; equal ones (impossible here) would be one blob.
-        t.file(path, 0o644, data.to_vec())
-            .expect("layout paths are fixed and distinct")
+        // Distinct blobs never share a path; an equal blob twice (two platforms' identical
+        // layers) is stored once.
+        match t.file(path, 0o644, data.to_vec()) {
+            Ok(()) | Err(tar::TreeError::Duplicate(_)) => {}
+            Err(e) => panic!("layout paths are fixed: {e}"),
+        }
     };
     file(
         &mut out,
         "/oci-layout",
         br#"{"imageLayoutVersion":"1.0.0"}"#,
     );
-    file(&mut out, "/index.json", &index);
-    for blob in [&layer, &image_config, &manifest] {
+    file(&mut out, "/index.json", index);
+    for blob in blobs {
         file(&mut out, &blob_path(blob), blob);
     }
-    Ok((out.to_tar(), sha256(&manifest)))
+    out.to_tar()
 }
 
+/// An OCI image index over single-image archives (each as [`archive_named`] writes them, one
+/// platform each), named by every one of `references`, with `annotations` on the index; and the
+/// index's digest, the one a registry serves for all the names. The OCI name annotation holds the
+/// tag, as the OCI layout has it (what `skopeo` and `oras` select by), containerd's the whole
+/// reference.
+pub fn index_archive(
+    references: &[&str],
+    archives: &[Vec<u8>],
+    annotations: &BTreeMap<String, String>,
+) -> Result<(Vec<u8>, String), ImageError> {
+    if references.is_empty() {
+        return Err(ImageError::BadReference(String::new()));
+    }
+    for reference in references {
+        check_reference(reference)?;
+    }
+    let mut blobs: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    let mut manifests: BTreeMap<String, Value> = BTreeMap::new();
+    for (index, archive) in archives.iter().enumerate() {
+        let bad = |problem: String| ImageError::BadArchive { index, problem };
+        let mut files = tar::read_files(archive).map_err(|e| bad(e.to_string()))?;
+        let top: Value = files
+            .get("index.json")
+            .and_then(|b| serde_json::from_slice(b).ok())
+            .ok_or_else(|| bad("no index.json, or not JSON".into()))?;
+        let entries = top["manifests"].as_array().cloned().unwrap_or_default();
+        if entries.is_empty() {
+            return Err(bad("index.json names no image".into()));
+        }
+        for entry in entries {
+            let (Some(digest), Some(arch)) = (
+                entry["digest"].as_str(),
+                entry["platform"]["architecture"].as_str(),
+            ) else {
+                return Err(bad(format!("entry {entry} has no digest or platform")));
+            };
+            if entry["mediaType"] != MANIFEST_TYPE {
+                return Err(bad(format!("{digest} is not an image manifest")));
+            }
+            match manifests.get(arch) {
+                Some(seen) if seen["digest"] == digest => continue,
+                Some(_) => return Err(ImageError::DuplicatePlatform(arch.into())),
+                None => {}
+            }
+            let manifest_bytes = files
+                .get(&blob_key(digest))
+                .filter(|b| sha256(b) == digest)
+                .ok_or_else(|| bad(format!("manifest {digest} is missing or does not match")))?
+                .clone();
+            let manifest_bytes = &manifest_bytes;
+            let manifest: Value = serde_json::from_slice(manifest_bytes)
+                .map_err(|e| bad(format!("manifest {digest}: {e}")))?;
+            let layers = manifest["layers"].as_array().cloned().unwrap_or_default();
+            for d in std::iter::once(&manifest["config"]).chain(&layers) {
+                let want = d["digest"].as_str().unwrap_or_default();
+                let blob = files
+                    .remove(&blob_key(want))
+                    .filter(|b| sha256(b) == want)
+                    .ok_or_else(|| bad(format!("blob {want} is missing or does not match")))?;
+                blobs.insert(want.into(), blob);
+            }
+            blobs.insert(digest.into(), manifest_bytes.clone());
+            let mut descriptor = descriptor(MANIFEST_TYPE, manifest_bytes);
+            descriptor["platform"] = json!({"architecture": arch, "os": "linux"});
+            manifests.insert(arch.into(), descriptor);
+        }
+    }
+    if manifests.is_empty() {
+        return Err(ImageError::BadArchive {
+            index: 0,
+            problem: "no image archives given".into(),
+        });
+    }
+    let mut image_index = json!({
+        "schemaVersion": 2,
+        "mediaType": INDEX_TYPE,
+        "manifests": manifests.into_values().collect::<Vec<_>>(),
+    });
+    if !annotations.is_empty() {
+        image_index["annotations"] = json!(annotations);
+    }
+    let image_index = to_bytes(&image_index);
+    let top = top_index(references, INDEX_TYPE, &image_index, None, |r| {
+        r.rsplit_once(':').map_or(r, |(_, tag)| tag)
+    });
+    let all = blobs.values().chain(std::iter::once(&image_index));
+    Ok((layout(&top, all), sha256(&image_index)))
+}
 fn to_bytes(v: &Value) -> Vec<u8> {
     serde_json::to_vec(v).expect("JSON values always serialise")
 }
@@ -184,20 +337,8 @@ fn to_bytes(v: &Value) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    fn read(archive: &[u8]) -> std::collections::BTreeMap<String, Vec<u8>> {
-        // The archive's own entries, through the same reader the tar tests use, by path.
-        let mut out = std::collections::BTreeMap::new();
-        let mut at = 0;
-        while archive[at..at + 512].iter().any(|&b| b != 0) {
-            let h = &archive[at..at + 512];
-            let end = h[..100].iter().position(|&c| c == 0).unwrap();
-            let name = String::from_utf8(h[..end].to_vec()).unwrap();
-            let size_text = String::from_utf8(h[124..135].to_vec()).unwrap();
-            let size = usize::from_str_radix(&size_text, 8).unwrap();
-            out.insert(name, archive[at + 512..at + 512 + size].to_vec());
-            at += 512 + size.next_multiple_of(512);
-        }
-        out
+    fn read(archive: &[u8]) -> BTreeMap<String, Vec<u8>> {
+        tar::read_files(archive).unwrap()
     }
 
     fn busybox_tree() -> Tree {
@@ -281,6 +422,126 @@ mod tests {
         assert_eq!(archive(refs[0], &busybox_tree(), &cfg).unwrap().1, digest);
         assert!(archive_named(&[], &busybox_tree(), &cfg).is_err());
         assert!(archive_named(&[refs[0], "Bad:ref"], &busybox_tree(), &cfg).is_err());
+    }
+
+    fn for_arch(arch: &str, content: &[u8]) -> Vec<u8> {
+        let mut t = Tree::new();
+        t.file("/bin/agent", 0o755, content.to_vec()).unwrap();
+        let cfg = Config {
+            architecture: Some(arch.into()),
+            labels: [("org.opencontainers.image.version".into(), "1.2.3".into())].into(),
+            ..Config::default()
+        };
+        archive_named(&["x/agent:1.2.3", "x/agent:alias"], &t, &cfg)
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn an_index_names_one_manifest_per_platform_with_all_their_blobs() {
+        let inputs = [for_arch("amd64", b"x86"), for_arch("arm64", b"aarch64")];
+        let annotations: BTreeMap<String, String> =
+            [("org.opencontainers.image.revision".into(), "abc".into())].into();
+        let refs = [
+            "example.org/x/agent:1.2.3",
+            "example.org/x/agent:1.2.3-distroless",
+        ];
+        let (tar, digest) = index_archive(&refs, &inputs, &annotations).unwrap();
+        let files = tar::read_files(&tar).unwrap();
+        let top: Value = serde_json::from_slice(&files["index.json"]).unwrap();
+        let entries = top["manifests"].as_array().unwrap();
+        assert_eq!(entries.len(), 2);
+        for (entry, reference) in entries.iter().zip(refs) {
+            assert_eq!(entry["mediaType"], INDEX_TYPE);
+            assert_eq!(entry["digest"], digest.as_str());
+            assert_eq!(entry["annotations"][CONTAINERD_NAME], reference);
+            // The OCI layout's own convention: the tag alone.
+            assert_eq!(
+                entry["annotations"][OCI_REF_NAME],
+                reference.rsplit_once(':').unwrap().1
+            );
+        }
+        let blob = |d: &Value| files[&blob_key(d.as_str().unwrap())].clone();
+        let index_bytes = blob(&entries[0]["digest"]);
+        assert_eq!(sha256(&index_bytes), digest);
+        let index: Value = serde_json::from_slice(&index_bytes).unwrap();
+        assert_eq!(
+            index["annotations"]["org.opencontainers.image.revision"],
+            "abc"
+        );
+        let mut seen = Vec::new();
+        for m in index["manifests"].as_array().unwrap() {
+            let arch = m["platform"]["architecture"].as_str().unwrap().to_string();
+            let manifest: Value = serde_json::from_slice(&blob(&m["digest"])).unwrap();
+            let config: Value =
+                serde_json::from_slice(&blob(&manifest["config"]["digest"])).unwrap();
+            assert_eq!(config["architecture"], arch.as_str());
+            assert_eq!(
+                config["config"]["Labels"]["org.opencontainers.image.version"],
+                "1.2.3"
+            );
+            let layer = tar::read_files(&blob(&manifest["layers"][0]["digest"])).unwrap();
+            seen.push((arch, layer["bin/agent"].clone()));
+        }
+        assert_eq!(
+            seen,
+            [
+                ("amd64".into(), b"x86".to_vec()),
+                ("arm64".into(), b"aarch64".to_vec())
+            ]
+        );
+        // Input order does not matter; the same inputs give the same bytes.
+        let swapped = [inputs[1].clone(), inputs[0].clone()];
+        assert_eq!(
+            index_archive(&refs, &swapped, &annotations).unwrap(),
+            (tar, digest)
+        );
+    }
+
+    #[test]
+    fn an_index_refuses_two_images_for_one_platform_and_broken_archives() {
+        let refs = ["x/agent:1"];
+        let none = BTreeMap::new();
+        assert_eq!(
+            index_archive(
+                &refs,
+                &[for_arch("arm64", b"a"), for_arch("arm64", b"b")],
+                &none
+            ),
+            Err(ImageError::DuplicatePlatform("arm64".into()))
+        );
+        let mut t = Tree::new();
+        t.file("/index.json", 0o644, b"{}".to_vec()).unwrap();
+        assert!(matches!(
+            index_archive(&refs, &[for_arch("amd64", b"a"), t.to_tar()], &none),
+            Err(ImageError::BadArchive { index: 1, .. })
+        ));
+        // A layer that is not what the manifest says.
+        let mut files = tar::read_files(&for_arch("amd64", b"a")).unwrap();
+        let mut broken = Tree::new();
+        for (path, mut data) in std::mem::take(&mut files) {
+            if data.len() > 1024 {
+                data[600] ^= 1;
+            }
+            broken.file(&format!("/{path}"), 0o644, data).unwrap();
+        }
+        let err = index_archive(&refs, &[broken.to_tar()], &none).unwrap_err();
+        assert!(err.to_string().contains("does not match"), "{err}");
+        assert_eq!(
+            index_archive(&refs, &[], &none),
+            Err(ImageError::BadArchive {
+                index: 0,
+                problem: "no image archives given".into()
+            })
+        );
+        let cfg = Config {
+            architecture: Some("ARM".into()),
+            ..Config::default()
+        };
+        assert_eq!(
+            archive("x:1", &Tree::new(), &cfg).unwrap_err(),
+            ImageError::BadArchitecture("ARM".into())
+        );
     }
 
     #[test]

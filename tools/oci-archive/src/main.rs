@@ -1,22 +1,60 @@
 //! `oci-archive`: builds one single-layer OCI image archive from files on this machine and prints
-//! `<ref> <archive>`. Used by `scripts/node-images`.
+//! `<ref> <archive>`; `oci-archive index` puts several (one per platform) behind one OCI image
+//! index and prints `<ref> <archive> <index digest>`. Used by `scripts/node-images` and
+//! `scripts/release`.
 //!
 //! ```text
 //! oci-archive --ref localhost/istio-cni-rs/busybox:dev --out busybox.tar \
 //!     --file /bin/busybox=/bin/busybox --symlink /bin/sh=busybox --dir /tmp=1777 \
 //!     --entrypoint '["/bin/sh"]' --env PATH=/bin
+//! oci-archive index --ref example.org/x/busybox:1.0 --out busybox.tar amd64.tar arm64.tar
 //! ```
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use oci_archive::image::{self, Config};
 use oci_archive::tar::Tree;
 
 #[derive(Parser)]
-#[command(about = "Write a single-layer OCI image archive for `ctr images import`")]
+#[command(
+    about = "Write a single-layer OCI image archive for `ctr images import`",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    image: Option<Args>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Put image archives, one per platform, behind one OCI image index.
+    Index(IndexArgs),
+}
+
+#[derive(clap::Args)]
+struct IndexArgs {
+    /// Image reference, `<name>:<tag>`, of the index; repeat it for more tags.
+    #[arg(long = "ref", required = true)]
+    reference: Vec<String>,
+    /// Archive to write (replaced atomically).
+    #[arg(long)]
+    out: PathBuf,
+    /// `KEY=VALUE` annotation of the index (repeatable).
+    #[arg(long, value_name = "KEY=VALUE")]
+    annotation: Vec<String>,
+    /// Image archives written by `oci-archive --platform …`, one per platform.
+    #[arg(required = true)]
+    archives: Vec<PathBuf>,
+}
+
+#[derive(clap::Args)]
 struct Args {
     /// Image reference, `<name>:<tag>` (written to index.json); repeat it for more names of the
     /// same image.
@@ -48,6 +86,12 @@ struct Args {
     /// The user the image runs as, `uid[:gid]`.
     #[arg(long)]
     user: Option<String>,
+    /// `KEY=VALUE` label of the image config (repeatable).
+    #[arg(long, value_name = "KEY=VALUE")]
+    label: Vec<String>,
+    /// `linux/<arch>` the files are built for (default: this machine's).
+    #[arg(long)]
+    platform: Option<String>,
 }
 
 fn pair<'a>(flag: &str, arg: &'a str) -> Result<(&'a str, &'a str)> {
@@ -55,6 +99,30 @@ fn pair<'a>(flag: &str, arg: &'a str) -> Result<(&'a str, &'a str)> {
         Some((a, b)) if !a.is_empty() && !b.is_empty() => Ok((a, b)),
         _ => bail!("--{flag} {arg:?}: expected IMAGE_PATH=VALUE"),
     }
+}
+
+fn key_values(flag: &str, args: &[String]) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for arg in args {
+        match arg.split_once('=') {
+            Some((k, v)) if !k.is_empty() => {
+                if out.insert(k.to_string(), v.to_string()).is_some() {
+                    bail!("--{flag} {arg:?}: {k} is given twice");
+                }
+            }
+            _ => bail!("--{flag} {arg:?}: expected KEY=VALUE"),
+        }
+    }
+    Ok(out)
+}
+
+fn architecture(platform: Option<&str>) -> Result<Option<String>> {
+    platform
+        .map(|p| match p.split_once('/') {
+            Some(("linux", arch)) if !arch.contains('/') => Ok(arch.to_string()),
+            _ => bail!("--platform {p:?}: expected linux/<arch> (linux/amd64, linux/arm64)"),
+        })
+        .transpose()
 }
 
 fn argv(flag: &str, json: Option<&str>) -> Result<Vec<String>> {
@@ -102,16 +170,17 @@ fn write_atomically(path: &Path, data: &[u8]) -> Result<()> {
         .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn image(args: &Args) -> Result<()> {
     let config = Config {
         entrypoint: argv("entrypoint", args.entrypoint.as_deref())?,
         cmd: argv("cmd", args.cmd.as_deref())?,
         env: args.env.clone(),
         workdir: args.workdir.clone(),
         user: args.user.clone(),
+        labels: key_values("label", &args.label)?,
+        architecture: architecture(args.platform.as_deref())?,
     };
-    let rootfs = tree(&args)?;
+    let rootfs = tree(args)?;
     let refs: Vec<&str> = args.reference.iter().map(String::as_str).collect();
     let (archive, _manifest) = image::archive_named(&refs, &rootfs, &config)?;
     write_atomically(&args.out, &archive)?;
@@ -119,4 +188,41 @@ fn main() -> Result<()> {
         println!("{reference} {}", args.out.display());
     }
     Ok(())
+}
+
+fn index(args: &IndexArgs) -> Result<()> {
+    let archives = args
+        .archives
+        .iter()
+        .map(|a| std::fs::read(a).with_context(|| format!("reading {}", a.display())))
+        .collect::<Result<Vec<_>>>()?;
+    let refs: Vec<&str> = args.reference.iter().map(String::as_str).collect();
+    let annotations = key_values("annotation", &args.annotation)?;
+    let (archive, digest) =
+        image::index_archive(&refs, &archives, &annotations).map_err(|e| match e {
+            image::ImageError::BadArchive { index, problem } => anyhow::anyhow!(
+                "{}: {problem}",
+                args.archives
+                    .get(index)
+                    .map_or_else(String::new, |a| a.display().to_string())
+            ),
+            e => e.into(),
+        })?;
+    write_atomically(&args.out, &archive)?;
+    for reference in &refs {
+        println!("{reference} {} {digest}", args.out.display());
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match &cli.command {
+        Some(Command::Index(args)) => index(args),
+        None => image(
+            cli.image
+                .as_ref()
+                .expect("clap requires the image arguments"),
+        ),
+    }
 }

@@ -25,6 +25,12 @@ pub enum TreeError {
     TargetTooLong(String),
 }
 
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ReadError {
+    #[error("not a tar archive: the entry at byte {0} is cut short or has a bad header")]
+    Malformed(usize),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Entry {
     Dir { mode: u32 },
@@ -151,6 +157,41 @@ impl Tree {
     }
 }
 
+/// The regular files of a ustar archive (as [`Tree::to_tar`] writes them), by path without the
+/// leading `/`: how an image archive is read back to be put into an index with others.
+pub fn read_files(tar: &[u8]) -> Result<BTreeMap<String, Vec<u8>>, ReadError> {
+    let text = |b: &[u8]| {
+        let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+        std::str::from_utf8(&b[..end]).ok().map(str::to_string)
+    };
+    let mut out = BTreeMap::new();
+    let mut at = 0;
+    loop {
+        let h = tar.get(at..at + BLOCK).ok_or(ReadError::Malformed(at))?;
+        if h.iter().all(|&b| b == 0) {
+            return Ok(out);
+        }
+        let bad = || ReadError::Malformed(at);
+        let size = text(&h[124..136])
+            .and_then(|s| usize::from_str_radix(s.trim(), 8).ok())
+            .ok_or_else(bad)?;
+        let (prefix, name) = (
+            text(&h[345..500]).ok_or_else(bad)?,
+            text(&h[..100]).ok_or_else(bad)?,
+        );
+        let data = tar.get(at + BLOCK..at + BLOCK + size).ok_or_else(bad)?;
+        if matches!(h[156], b'0' | 0) {
+            let path = if prefix.is_empty() {
+                name
+            } else {
+                format!("{prefix}/{name}")
+            };
+            out.insert(path, data.to_vec());
+        }
+        at += BLOCK + size.next_multiple_of(BLOCK);
+    }
+}
+
 /// Splits a header name into ustar's (prefix, name) fields, if it fits.
 fn split_name(name: &str) -> Option<(&str, &str)> {
     if name.len() <= NAME_LEN {
@@ -273,6 +314,22 @@ mod tests {
         assert_eq!(a.to_tar(), b.to_tar());
         // 700 bytes of data take two blocks.
         assert_eq!(a.to_tar().len(), BLOCK * (1 + 1 + 2 + 1 + 1 + 2));
+    }
+
+    #[test]
+    fn files_read_back_as_written_and_bad_archives_are_refused() {
+        let mut t = Tree::new();
+        let deep = format!("/{}/{}/file", "a".repeat(60), "b".repeat(60));
+        t.file(&deep, 0o644, vec![7; 700]).unwrap();
+        t.file("/x", 0o755, b"x".to_vec()).unwrap();
+        t.symlink("/l", "x").unwrap();
+        let tar = t.to_tar();
+        let files = read_files(&tar).unwrap();
+        let names: Vec<_> = files.keys().cloned().collect();
+        assert_eq!(names, [deep[1..].to_string(), "x".into()]);
+        assert_eq!(files[&deep[1..]], vec![7; 700]);
+        assert_eq!(read_files(&tar[..600]), Err(ReadError::Malformed(512)));
+        assert_eq!(read_files(b"short"), Err(ReadError::Malformed(0)));
     }
 
     #[test]
