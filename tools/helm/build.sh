@@ -5,7 +5,14 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 version=$(awk '/^require helm.sh\/helm\/v3 /{print $3}' "$here/go.mod")
-cache="${HELM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-rs/helm}/${version}"
+# The Kubernetes version `helm template` assumes without --kube-version (what a chart's
+# kubeVersion is checked against): a release build stamps its own, an unstamped one says v1.20.
+# Ours says the Kubernetes the tests run (tools/k8s-testenv).
+k8s=$(awk '/^require k8s.io\/kubernetes /{print $3}' "$here/../k8s-testenv/apiserver/go.mod")
+k8s_minor=${k8s#v1.}
+k8s_minor=${k8s_minor%%.*}
+[ -n "$k8s_minor" ] || { echo "helm: no k8s.io/kubernetes version in tools/k8s-testenv/apiserver/go.mod" >&2; exit 1; }
+cache="${HELM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-rs/helm}/${version}-k8s1.${k8s_minor}"
 mkdir -p "$cache"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
 
@@ -14,7 +21,11 @@ if [ -x "$cache/helm" ]; then
 else
   echo "helm: building helm $version — a few minutes on 2 cores the first time" >&2
   start=$SECONDS
-  (cd "$here" && go build -trimpath -ldflags='-s -w' -o "$cache/helm.tmp" helm.sh/helm/v3/cmd/helm)
+  ldflags="-s -w"
+  for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+    ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$k8s_minor"
+  done
+  (cd "$here" && go build -trimpath -ldflags="$ldflags" -o "$cache/helm.tmp" helm.sh/helm/v3/cmd/helm)
   mv "$cache/helm.tmp" "$cache/helm"
   echo "helm: built in $((SECONDS - start))s" >&2
 fi

@@ -13,8 +13,8 @@ use crate::real_node::{Node, PEER, RealNode, VALUES};
 /// Istio's image hub on the node: Istio's chart renders `<hub>/install-cni:<tag>`, and our hub
 /// would name our image.
 pub const ISTIO_HUB: &str = "localhost/istio";
-/// Istio's image as its chart renders it with [`ISTIO_HUB`], tag `dev` and the `ambient` profile
-/// (which selects the distroless variant).
+/// Istio's image as its chart renders it with [`ISTIO_HUB`], tag `dev` and the `ambient` profile's
+/// `distroless` variant ([`values_args`]).
 pub const ISTIO_IMAGE: &str = "localhost/istio/install-cni:dev-distroless";
 
 fn repo() -> PathBuf {
@@ -65,7 +65,8 @@ pub fn istio_plugin_binary() -> Vec<u8> {
 
 /// The helm arguments after `<release> <chart>` for either chart on the real node, with the
 /// iptables backend: the same values file as ours (`deploy/node/values-real-node.yaml`: paths,
-/// host network, pull policy), Istio's `ambient` profile and, for Istio's, Istio's hub.
+/// host network, pull policy), Istio's `ambient` profile and, for Istio's, Istio's hub and the
+/// profile's `distroless` variant, which the values file clears for our images' `dev` tag.
 pub fn values_args(istio: bool) -> Vec<String> {
     let mut args: Vec<String> = ["-n", "istio-system", "-f"]
         .iter()
@@ -83,7 +84,16 @@ pub fn values_args(istio: bool) -> Vec<String> {
         .map(|s| s.to_string()),
     );
     if istio {
-        args.extend(["--set".to_string(), format!("global.hub={ISTIO_HUB}")]);
+        args.extend(
+            [
+                "--set",
+                &format!("global.hub={ISTIO_HUB}"),
+                "--set",
+                "global.variant=distroless",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
     }
     args
 }

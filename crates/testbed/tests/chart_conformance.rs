@@ -16,9 +16,8 @@
 //! - A render that fails in both charts conforms (the messages are not compared); one that fails
 //!   in one chart only is a difference.
 //! - Container images: Istio's image is `<hub>/install-cni:<tag>[-<variant>]`. Ours must be the
-//!   same with Istio's default hub (its `values.yaml`) read as ours, and with no variant suffix:
-//!   we publish one image per tag (`install-cni:<tag>`), so a `-distroless` or `-debug` tag of
-//!   Istio's resolves to that image. Pull policy is compared as any other field.
+//!   same, variant included, with Istio's default hub (its `values.yaml`) read as ours. Pull
+//!   policy is compared as any other field.
 //!
 //! Every difference must be listed under `chart:` in `tools/istio/conformance-allowlist.yaml`
 //! (`case` and `difference` are globs, `*` matching anything, over the case name and the
@@ -27,8 +26,11 @@
 //!
 //! Our chart's `NOTES.txt` must carry a `WARNING:` line where Istio's result is surprising (a
 //! profile's value beating the user's own, a value that is ignored); each case lists the
-//! warnings it expects, and a case that lists none must get none. NOTES are rendered by
-//! `helm install --dry-run` against a stub API server (helm does not render them otherwise).
+//! warnings it expects, and a case that lists none must get none. Besides those, every case whose
+//! agent image is under our local default hub and is pulled (no `imagePullPolicy: Never`) must get
+//! the warning that no registry serves it ([`LOCAL_HUB_WARNING`]), and no other case may. NOTES
+//! are rendered by `helm install --dry-run` against a stub API server (helm does not render them
+//! otherwise).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -43,6 +45,10 @@ mod fake_cluster;
 use fake_cluster::FakeCluster;
 
 const ALLOWLIST: &str = "tools/istio/conformance-allowlist.yaml";
+/// Our chart's local default hub: images under it are in no registry.
+const LOCAL_HUB: &str = "localhost/istio-cni-rs/";
+/// What our NOTES' warning about an image under [`LOCAL_HUB`] that would be pulled says.
+const LOCAL_HUB_WARNING: &str = "which no registry serves";
 const ALLOWLIST_KEY: &str = "chart";
 const RELEASE: &str = "istio-cni";
 
@@ -341,16 +347,9 @@ fn matrix() -> Vec<Case> {
         "compatibility-version-1.29.yaml",
         "compatibility-version-1.30.yaml",
     ] {
-        // ambient.yaml sets global.variant=distroless as a user value here.
-        let warns = if file == "ambient.yaml" {
-            vec!["global.variant"]
-        } else {
-            Vec::new()
-        };
         m.push(Case {
             name: file,
             values: Values::IstioProfileFile(file),
-            warns,
             ..case("", "")
         });
     }
@@ -710,10 +709,29 @@ fn matrix() -> Vec<Case> {
         case("numeric namespace", "").namespace("12345"),
         case("kube-system", "profile: ambient").namespace("kube-system"),
         // Image variants.
-        case("global.variant=distroless", "global: {variant: distroless}")
-            .warns(&["global.variant"]),
-        case("global.variant=debug", "global: {variant: debug}").warns(&["global.variant"]),
-        case("variant=distroless", "variant: distroless").warns(&["variant"]),
+        case("global.variant=distroless", "global: {variant: distroless}"),
+        case("global.variant=debug", "global: {variant: debug}"),
+        case("variant=distroless", "variant: distroless"),
+        case(
+            "variant beats global.variant",
+            "variant: debug\nglobal: {variant: distroless}",
+        ),
+        case(
+            "profile=ambient, variant cleared",
+            "profile: ambient\nglobal: {variant: ''}",
+        ),
+        case(
+            "variant with a full image",
+            "image: example.com/x/install-cni:1\nglobal: {variant: distroless}",
+        ),
+        // Images under our local default hub, never pulled (imported into the nodes), or named
+        // in full.
+        case("imagePullPolicy=Never", "global: {imagePullPolicy: Never}"),
+        case("pullPolicy=Never", "pullPolicy: Never"),
+        case(
+            "full image under the local hub",
+            "image: localhost/istio-cni-rs/install-cni:1\nglobal: {hub: example.com/x}",
+        ),
         case(
             "profile=ambient with tag",
             "profile: ambient\nglobal: {hub: docker.io/istio, tag: 1.28.0}",
@@ -915,29 +933,15 @@ fn split_image(image: &str) -> (&str, &str) {
     }
 }
 
-/// The tag suffixes of Istio's image variants.
-const VARIANTS: [&str; 2] = ["-distroless", "-debug"];
-
 impl Images<'_> {
-    /// Ours names an image we publish: no variant suffix.
-    fn published(ours: &str) -> bool {
-        let (_, tag) = split_image(ours);
-        !VARIANTS.iter().any(|v| tag.ends_with(v))
-    }
-
-    /// The image rule (see the module comment): Istio's default hub read as ours, Istio's variant
-    /// suffix dropped, then equal.
+    /// The image rule (see the module comment): Istio's default hub read as ours, then equal.
     fn conform(&self, istio: &str, ours: &str) -> bool {
         let (istio_repo, istio_tag) = split_image(istio);
-        let istio_tag = VARIANTS
-            .iter()
-            .find_map(|v| istio_tag.strip_suffix(v))
-            .unwrap_or(istio_tag);
         let istio_repo = match istio_repo.strip_prefix(&format!("{}/", self.istio_hub)) {
             Some(rest) => format!("{}/{rest}", self.our_hub),
             None => istio_repo.to_string(),
         };
-        Self::published(ours) && (istio_repo.as_str(), istio_tag) == split_image(ours)
+        (istio_repo.as_str(), istio_tag) == split_image(ours)
     }
 }
 
@@ -974,11 +978,7 @@ fn diff_value(
         (Some(Value::String(a)), Some(Value::String(b)))
             if path.contains(".containers[") && path.ends_with("].image") =>
         {
-            if !Images::published(b) {
-                out.push(format!(
-                    "{path}: ours {b:?} is a variant tag, which we do not publish"
-                ));
-            } else if !images.conform(a, b) {
+            if !images.conform(a, b) {
                 out.push(differ());
             }
         }
@@ -1105,7 +1105,26 @@ struct Outcome {
     /// Our NOTES' warnings, or why `helm install --dry-run` failed; None when `helm template`
     /// of our chart failed already.
     warnings: Option<Result<Vec<String>, String>>,
+    /// Our agent's image is under [`LOCAL_HUB`] and would be pulled.
+    pulls_local_hub: bool,
     both_fail: bool,
+}
+
+/// Whether a render's agent image is under [`LOCAL_HUB`] with a pull policy that goes to a
+/// registry (anything but `Never`).
+fn pulls_local_hub(render: &Result<Vec<Value>, String>) -> bool {
+    let Ok(objects) = render else { return false };
+    objects
+        .iter()
+        .filter(|o| o["kind"] == "DaemonSet")
+        .filter_map(|o| o["spec"]["template"]["spec"]["containers"].as_array())
+        .flatten()
+        .any(|c| {
+            c["image"]
+                .as_str()
+                .is_some_and(|i| i.starts_with(LOCAL_HUB))
+                && c["imagePullPolicy"] != "Never"
+        })
 }
 
 fn run_matrix(charts: &Charts, cases: &[Case]) -> Vec<Outcome> {
@@ -1133,6 +1152,7 @@ fn run_matrix(charts: &Charts, cases: &[Case]) -> Vec<Outcome> {
                     *results[i].lock().unwrap() = Some(Outcome {
                         differences: diff_renders(&istio, &ours, &images),
                         warnings,
+                        pulls_local_hub: pulls_local_hub(&ours),
                         both_fail: istio.is_err() && ours.is_err(),
                     });
                 }
@@ -1192,8 +1212,12 @@ fn our_chart_renders_what_istios_renders() {
                 continue;
             }
         };
+        let mut wanted = case.warns.clone();
+        if outcome.pulls_local_hub {
+            wanted.push(LOCAL_HUB_WARNING);
+        }
         let mut expected_lines = BTreeSet::new();
-        for want in &case.warns {
+        for want in &wanted {
             match warnings.iter().position(|l| l.contains(want)) {
                 Some(i) => {
                     expected_lines.insert(i);
@@ -1265,7 +1289,7 @@ fn the_comparison_sees_what_differs() {
         json!([{"operator": "Exists"}]),
     );
     let same = ds(
-        "localhost/istio-cni-rs/install-cni:1.28.0",
+        "localhost/istio-cni-rs/install-cni:1.28.0-distroless",
         json!([{"name": "B", "value": "2"}, {"name": "A", "value": "1"}]),
         json!([{"operator": "Exists"}]),
     );
@@ -1274,7 +1298,7 @@ fn the_comparison_sees_what_differs() {
         Vec::<String>::new()
     );
     let other = ds(
-        "localhost/istio-cni-rs/install-cni:1.28.0-distroless",
+        "localhost/istio-cni-rs/install-cni:1.28.0",
         json!([{"name": "A", "value": "9"}, {"name": "C", "value": "3"}]),
         Value::Null,
     );
@@ -1292,7 +1316,7 @@ fn the_comparison_sees_what_differs() {
                 "{id}.containers[install-cni].env[C]: Istio (absent) | ours {{\"name\":\"C\",\"value\":\"3\"}}"
             ),
             format!(
-                "{id}.containers[install-cni].image: ours \"localhost/istio-cni-rs/install-cni:1.28.0-distroless\" is a variant tag, which we do not publish"
+                "{id}.containers[install-cni].image: Istio \"registry.istio.io/testing/install-cni:1.28.0-distroless\" | ours \"localhost/istio-cni-rs/install-cni:1.28.0\""
             ),
             format!("{id}.tolerations: Istio [{{\"operator\":\"Exists\"}}] | ours (absent)"),
         ]
@@ -1317,6 +1341,10 @@ fn the_comparison_sees_what_differs() {
     assert!(images.conform("example.com/x/install-cni:1", "example.com/x/install-cni:1"));
     assert!(!images.conform("example.com/x/install-cni:1", "example.com/y/install-cni:1"));
     assert!(images.conform(
+        "example.com:5000/install-cni:1-debug",
+        "example.com:5000/install-cni:1-debug"
+    ));
+    assert!(!images.conform(
         "example.com:5000/install-cni:1-debug",
         "example.com:5000/install-cni:1"
     ));

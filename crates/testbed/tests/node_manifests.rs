@@ -104,3 +104,49 @@ async fn real_node_values_and_ztunnel_peer() {
             });
     }
 }
+
+/// The agent image of a render.
+fn agent_image(chart: &[DynamicObject]) -> String {
+    find(chart, "DaemonSet", "istio-cni-node")["spec"]["template"]["spec"]["containers"][0]["image"]
+        .as_str()
+        .expect("the agent's image")
+        .to_string()
+}
+
+/// The real-node suites install our chart with Istio's `ambient` profile on top of the values
+/// file (`testbed::migrate::values_args`), and that profile sets the `distroless` variant: the
+/// values file clears it, so the agent's image is still the one scripts/node-images tags.
+#[test]
+fn ambient_profile_on_the_real_node_keeps_the_node_image() {
+    let args = testbed::migrate::values_args(false);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_eq!(agent_image(&manifests::render_chart(&args)), AGENT_IMAGE);
+    // Without the values file's `variant: ""`, the profile's variant names another tag.
+    let hub_and_tag = [
+        "--set",
+        "global.hub=localhost/istio-cni-rs",
+        "--set",
+        "global.tag=dev",
+    ];
+    let profile = ["--set", "profile=ambient"];
+    assert_eq!(
+        agent_image(&manifests::render_chart(
+            &[&hub_and_tag[..], &profile].concat()
+        )),
+        format!("{AGENT_IMAGE}-distroless")
+    );
+    // Istio's chart from the pin, with the same values as the migration suites give it, names
+    // Istio's image as scripts/node-images tags it.
+    let out = std::process::Command::new(manifests::helm())
+        .args(["template", "istio-cni", &testbed::migrate::istio_chart()])
+        .args(testbed::migrate::values_args(true))
+        .output()
+        .expect("run helm");
+    assert!(
+        out.status.success(),
+        "helm template of Istio's chart: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let istio = manifests::documents(&String::from_utf8(out.stdout).unwrap());
+    assert_eq!(agent_image(&istio), testbed::migrate::ISTIO_IMAGE);
+}

@@ -91,19 +91,20 @@ release: {{ .root.Release.Name | quote }}
 {{- end -}}
 
 {{/*
-The image: `image` verbatim when it contains a `/`, else <hub>/<image>:<tag>. The tag is
-`tag`, `global.tag`, else the chart's appVersion. `variant` / `global.variant` are not applied:
-we publish one image per tag (NOTES.txt says so when one is set), so Istio's ambient profile's
-`global.variant=distroless` still pulls an image that exists.
+The image, as Istio's chart names it: `image` verbatim when it contains a `/`, else
+<hub>/<image>:<tag>[-<variant>], the variant being `variant`, else `global.variant` (Istio's
+ambient profile sets `distroless`; a release is published under those tags too). The tag is
+`tag`, `global.tag`, else the chart's appVersion.
 */}}
 {{- define "istio-cni.image" -}}
 {{- if contains "/" .v.image -}}
 {{ .v.image }}
 {{- else -}}
-{{ .v.hub | default .v.global.hub }}/{{ .v.image | default "install-cni" }}:{{ include "istio-cni.tag" . }}
+{{ .v.hub | default .v.global.hub }}/{{ .v.image | default "install-cni" }}:{{ include "istio-cni.tag" . }}{{ with (.v.variant | default .v.global.variant) }}-{{ . }}{{ end }}
 {{- end -}}
 {{- end -}}
 
+{{/* The release the agent reports (CURRENT_AGENT_VERSION): the tag without the variant, as in Istio's chart. */}}
 {{- define "istio-cni.tag" -}}
 {{ .v.tag | default .v.global.tag | default .root.Chart.AppVersion }}
 {{- end -}}

@@ -53,11 +53,13 @@ chart), so the surprise is Istio's; the warning says so. One `WARNING:` line eac
 {{- end -}}
 {{- end -}}
 
-{{- /* Image variants. */ -}}
-{{- range $key, $val := dict "variant" $user.variant "global.variant" $global.variant "cni.variant" $legacy.variant "cni.global.variant" $legacyGlobal.variant -}}
-{{- if $val -}}
-{{- $_ := set $out "lines" (append $out.lines (printf "`%s: %v` is not applied: istio-cni-rs publishes one image per tag, %s (Istio's chart would pull a `-%v` tag, which we do not publish)." $key $val (include "istio-cni.image" (dict "v" $v "root" $root)) $val)) -}}
-{{- end -}}
+{{- /* An image nothing can pull: under this chart's local default hub (the name
+       scripts/node-images gives images imported into a node's own store) with a pull policy
+       that goes to a registry. */ -}}
+{{- $image := include "istio-cni.image" (dict "v" $v "root" $root) -}}
+{{- $pull := $v.pullPolicy | default $v.global.imagePullPolicy -}}
+{{- if and (include "istio-cni.inScope" (dict "v" $v "scope" "namespace")) (hasPrefix "localhost/istio-cni-rs/" $image) (ne $pull "Never") -}}
+{{- $_ := set $out "lines" (append $out.lines (printf "image %s is under the local default hub `localhost/istio-cni-rs`, which no registry serves: the agent's pods stay in ImagePullBackOff on any node that does not already have it. Set `global.hub` (and `global.tag`) to where the image was pushed (docs/install.md), or `global.imagePullPolicy: Never` for images imported into every node." $image)) -}}
 {{- end -}}
 
 {{- /* Settings that have no effect with the others given. */ -}}
