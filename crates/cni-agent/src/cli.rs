@@ -141,6 +141,7 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
             client,
             native_nftables: cli.install.native_nftables,
             pod_namespace: cli.install.pod_namespace.clone(),
+            pod_name: cli.install.pod_name.clone(),
             owned_config: matches!(cfg.mode, ConfMode::Owned { .. }),
         })
     } else {
@@ -162,7 +163,8 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
         None => None,
     };
     tracing::info!(?cfg, ambient = ambient.is_some(), "agent configuration");
-    crate::agent::run(cfg, ports, ambient, repair, shutdown_signal()).await
+    let unhonoured = a.unhonoured();
+    crate::agent::run(cfg, ports, ambient, repair, unhonoured, shutdown_signal()).await
 }
 
 /// Process entry point: parse, set up logging, run on a tokio runtime.
