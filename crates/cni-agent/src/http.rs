@@ -18,6 +18,8 @@ use prometheus_client::registry::Registry;
 #[derive(Default)]
 pub struct Readiness {
     conditions: Mutex<BTreeMap<&'static str, bool>>,
+    /// Settings the agent cannot honour, named under the status whatever it is.
+    unhonoured: Mutex<Vec<String>>,
 }
 
 /// One condition of [`Readiness`]; starts not ready.
@@ -51,6 +53,11 @@ impl Readiness {
         }
     }
 
+    /// Names `setting` (with what the agent does instead) in every `/readyz` body.
+    pub fn unhonoured(&self, setting: String) {
+        self.unhonoured.lock().unwrap().push(setting);
+    }
+
     /// Names of the conditions that are false; empty when ready.
     pub fn not_ready(&self) -> Vec<&'static str> {
         let conditions = self.conditions.lock().unwrap();
@@ -64,14 +71,18 @@ impl Readiness {
 
 async fn readyz(State(readiness): State<Arc<Readiness>>) -> impl IntoResponse {
     let waiting = readiness.not_ready();
-    if waiting.is_empty() {
+    let (status, mut body) = if waiting.is_empty() {
         (StatusCode::OK, "ok\n".to_string())
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: {}\n", waiting.join(", ")),
         )
+    };
+    for setting in readiness.unhonoured.lock().unwrap().iter() {
+        body.push_str(&format!("not honoured: {setting}\n"));
     }
+    (status, body)
 }
 
 /// `/healthz` (always 200 while the process serves) and `/readyz`.
@@ -154,6 +165,27 @@ mod tests {
             503
         );
         assert_eq!(get_text(health_router(readiness), "/healthz").await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn readyz_names_unhonoured_settings_ready_or_not() {
+        let readiness = Readiness::new();
+        let install = readiness.condition("installer");
+        readiness.unhonoured("DRY_RUN_FILE_PATH=/x: applied".into());
+        let (code, body) = get_text(health_router(readiness.clone()), "/readyz").await;
+        assert_eq!(
+            (code, body.as_str()),
+            (
+                503,
+                "not ready: installer\nnot honoured: DRY_RUN_FILE_PATH=/x: applied\n"
+            )
+        );
+        install.set(true);
+        let (code, body) = get_text(health_router(readiness), "/readyz").await;
+        assert_eq!(
+            (code, body.as_str()),
+            (200, "ok\nnot honoured: DRY_RUN_FILE_PATH=/x: applied\n")
+        );
     }
 
     #[tokio::test]

@@ -341,25 +341,6 @@ async fn call(client: &kube::Client, p: &Permission) -> Result<(), kube::Error> 
             .get("istio-cni-node")
             .await
             .map(drop),
-        // The DaemonSet watch the shutdown falls back on (metadata only, by name: resourceNames
-        // allow a list or watch only with this field selector).
-        ("apps", "daemonsets", "list") => Api::<DaemonSet>::namespaced(client.clone(), NAMESPACE)
-            .list_metadata(&ListParams::default().fields("metadata.name=istio-cni-node"))
-            .await
-            .map(drop),
-        ("apps", "daemonsets", "watch") => {
-            let wp = WatchParams::default()
-                .fields("metadata.name=istio-cni-node")
-                .timeout(1);
-            let mut stream = Api::<DaemonSet>::namespaced(client.clone(), NAMESPACE)
-                .watch_metadata(&wp, "0")
-                .await?
-                .boxed();
-            match stream.next().await {
-                Some(Err(e)) => Err(e),
-                _ => Ok(()),
-            }
-        }
         ("", "nodes", "get") => Api::<Node>::all(client.clone()).get(NODE).await.map(drop),
         other => panic!(
             "ClusterRole grants {other:?}, which neither the agent nor the plugin uses: remove it \

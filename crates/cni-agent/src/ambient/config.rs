@@ -119,6 +119,25 @@ pub struct AmbientArgs {
         global = true
     )]
     pub allowed_peer_uids: Vec<u32>,
+    /// Istio's dry run (rules written to this file instead of the kernel). Not honoured: read
+    /// only to be named at start ([`AmbientArgs::unhonoured`]).
+    #[arg(long, env = "DRY_RUN_FILE_PATH", global = true, hide = true)]
+    pub dry_run_file_path: Option<String>,
+}
+
+impl AmbientArgs {
+    /// Istio settings given a value this agent cannot honour, each with what it does instead:
+    /// logged at start and shown by `/readyz`, never silently ignored.
+    pub fn unhonoured(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(path) = self.dry_run_file_path.as_deref().filter(|p| !p.is_empty()) {
+            out.push(format!(
+                "DRY_RUN_FILE_PATH={path}: rules are applied to the kernel, not written to the \
+                 file (`install-cni dataplane ... --dry-run` prints them)"
+            ));
+        }
+        out
+    }
 }
 
 /// Validated ambient settings.

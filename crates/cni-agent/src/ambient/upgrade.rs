@@ -1,131 +1,136 @@
 //! Whether a stopping agent is being upgraded (leave the plugin and host state in place, so new
 //! ambient pods fail closed until the new agent is up) or uninstalled (clean up everything).
-//! Istio's rule: the DaemonSet `istio-cni-node` still exists, is not being deleted, and still
-//! selects this node → upgrade or reboot.
 //!
-//! The shutdown-time GET cannot always answer. A force-deleted agent pod (`--grace-period=0
-//! --force`) loses its object, and its bound token with it, before the agent stops: every call
-//! then gets 401, which Istio reads as an uninstall, unchaining the plugin while pods keep being
-//! created (they start unredirected until the next agent re-chains it). So a metadata-only watch
-//! of the DaemonSet runs for the agent's life, and when the GET fails its last view decides. An
-//! uninstall deletes the DaemonSet before the agent's pod is stopped, so the watch has seen the
-//! deletion by then; only with no view at all does Istio's fallback apply.
+//! Istio's chart grants the agent one call for this: `get` on its own DaemonSet, by name (no list,
+//! no watch), and Istio's agent makes it once, at shutdown. So do we, and decide:
+//!
+//! 1. The GET answers: the DaemonSet `istio-cni-node` exists, is not being deleted and its node
+//!    affinity still selects this node → upgrade or reboot; otherwise → uninstall (Istio's rule).
+//! 2. 403: the token is good but the grant is gone, removed by hand or by an uninstall → uninstall
+//!    (Istio's rule).
+//! 3. 401: the token itself is refused. Two causes: the service account was deleted (an
+//!    uninstall), or this agent's pod was force-deleted (`--grace-period=0 --force`: the object,
+//!    and the token bound to it, vanish at once, and the DaemonSet makes a new pod). Istio reads
+//!    every 401 as an uninstall, which after a force delete unchains the plugin while pods keep
+//!    being created (they start unredirected until the next agent chains it again). The agent's
+//!    node-scoped pod watch, established before the token was refused, still tells the two apart:
+//!    its own pod gone outright → force-deleted → upgrade; its own pod deleted gracefully (an
+//!    uninstall's garbage collection) or unknown → uninstall. The watch and the kubelet learn of a
+//!    force delete at about the same moment, so a pod still seen running is looked at again for
+//!    [`OWN_POD_SETTLE`] (the kubelet gives a force-deleted pod at least 2 s).
+//! 4. Any other error (API server unreachable, 5xx): retried, then Istio's rule: keep in
+//!    Istio-owned config mode, uninstall otherwise.
+//!
+//! A force delete during an uninstall (a stuck pod after `helm uninstall`) keeps the plugin: the
+//! pod was already stopping when it was force-deleted, so its first shutdown had decided.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
-use kube::core::PartialObjectMeta;
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, Event as WatchEvent, watcher};
 
 /// The DaemonSet name is fixed: the plugin's own-pod check relies on it too.
 pub const DAEMONSET: &str = "istio-cni-node";
 
-/// What the DaemonSet watch last saw of our DaemonSet.
+/// How long a refused token waits for the pod watch to see this agent's pod deleted.
+pub const OWN_POD_SETTLE: Duration = Duration::from_millis(1500);
+
+/// This agent's pod as the pod watch last saw it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Seen {
-    /// No complete view: not listed yet, or the watch is failing.
+pub enum OwnPod {
+    /// No pod name (`POD_NAME` unset), or the watch has not listed yet.
     Unknown,
-    /// It exists and is not being deleted.
-    Present,
-    /// Deleted, being deleted, or absent from the last list.
-    Gone,
+    /// Present and not being deleted.
+    Running,
+    /// Being deleted gracefully: a rollout, a drain, an uninstall's garbage collection.
+    Deleting,
+    /// Gone from the API server while this agent still runs: force-deleted.
+    Removed,
 }
 
-/// The DaemonSet watch's latest view, shared with the shutdown path.
-#[derive(Clone, Debug)]
-pub struct DaemonSetView(Arc<Mutex<Seen>>);
-
-impl DaemonSetView {
-    pub fn get(&self) -> Seen {
-        *self.0.lock().unwrap()
-    }
-
-    fn set(&self, seen: Seen) {
-        *self.0.lock().unwrap() = seen;
-    }
-}
-
-/// Starts the metadata-only watch of our DaemonSet in `namespace`.
-pub fn watch_daemonset(client: kube::Client, namespace: &str) -> DaemonSetView {
-    let view = DaemonSetView(Arc::new(Mutex::new(Seen::Unknown)));
-    let api = Api::<PartialObjectMeta<DaemonSet>>::namespaced(client, namespace);
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={DAEMONSET}"));
-    let shared = view.clone();
-    tokio::spawn(async move {
-        let mut stream = watcher(api, cfg).default_backoff().boxed();
-        let mut listed = false;
-        while let Some(event) = stream.next().await {
-            match event {
-                Ok(WatchEvent::Init) => listed = false,
-                Ok(WatchEvent::InitApply(ds)) | Ok(WatchEvent::Apply(ds)) => {
-                    listed = true;
-                    shared.set(if ds.metadata.deletion_timestamp.is_some() {
-                        Seen::Gone
-                    } else {
-                        Seen::Present
-                    });
-                }
-                Ok(WatchEvent::Delete(_)) => shared.set(Seen::Gone),
-                Ok(WatchEvent::InitDone) if !listed => shared.set(Seen::Gone),
-                Ok(WatchEvent::InitDone) => {}
-                Err(e) => {
-                    // A view we can no longer refresh may be stale: let the GET's rule decide.
-                    tracing::debug!(error = %e, "DaemonSet watch error, retrying with backoff");
-                    shared.set(Seen::Unknown);
-                }
-            }
+impl OwnPod {
+    /// `cached`: the pod watch's copy of this agent's pod, `Some(None)` when the watch has listed
+    /// and it is not there.
+    pub fn from_watch(named: bool, listed: bool, cached: Option<bool>) -> OwnPod {
+        match (named && listed, cached) {
+            (false, _) => OwnPod::Unknown,
+            (true, None) => OwnPod::Removed,
+            (true, Some(true)) => OwnPod::Deleting,
+            (true, Some(false)) => OwnPod::Running,
         }
-    });
-    view
+    }
+}
+
+/// What the shutdown GET of our DaemonSet came back with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answer {
+    /// The API server answered: upgrade (`true`) or uninstall.
+    Decided(bool),
+    /// 401: the token is refused.
+    Unauthorized,
+    /// 403: the grant is gone.
+    Forbidden,
+    /// Anything else, after the retries.
+    Failed,
+}
+
+/// The numbered rule of the module doc.
+fn verdict(answer: Answer, own: OwnPod, owned_config: bool) -> bool {
+    match answer {
+        Answer::Decided(upgrade) => upgrade,
+        Answer::Forbidden => false,
+        Answer::Unauthorized => own == OwnPod::Removed,
+        Answer::Failed => owned_config,
+    }
 }
 
 /// True when the shutdown looks like an upgrade or reboot. `owned_config`: in Istio-owned config
 /// mode the default on persistent API errors is "upgrade" (keep things), otherwise "uninstall".
+/// `own_pod` reads this agent's pod from the pod watch (rule 3).
 pub async fn is_upgrade(
     client: &kube::Client,
     namespace: &str,
     node: &str,
     owned_config: bool,
-    view: &DaemonSetView,
+    own_pod: impl Fn() -> OwnPod,
 ) -> bool {
     let attempts = if owned_config { 3 } else { 1 };
-    let mut denied = false;
+    let mut answer = Answer::Failed;
     for attempt in 0..attempts {
         if attempt > 0 {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
-        match decide(client, namespace, node).await {
-            Ok(upgrade) => return upgrade,
+        answer = match decide(client, namespace, node).await {
+            Ok(upgrade) => Answer::Decided(upgrade),
+            Err(kube::Error::Api(s)) if s.code == 401 => Answer::Unauthorized,
+            Err(kube::Error::Api(s)) if s.code == 403 => Answer::Forbidden,
             Err(e) => {
-                denied = matches!(&e, kube::Error::Api(s) if s.code == 401 || s.code == 403);
                 tracing::warn!(error = %e, attempt, "cannot ask the API server whether this is an upgrade");
+                Answer::Failed
             }
+        };
+        if answer != Answer::Failed {
+            break;
         }
     }
-    let seen = view.get();
-    let upgrade = fallback(seen, denied, owned_config);
+    let mut own = own_pod();
+    if answer == Answer::Unauthorized && own == OwnPod::Running {
+        let settle = tokio::time::Instant::now() + OWN_POD_SETTLE;
+        while own == OwnPod::Running && tokio::time::Instant::now() < settle {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            own = own_pod();
+        }
+    }
+    let upgrade = verdict(answer, own, owned_config);
     tracing::info!(
-        ?seen,
-        denied,
+        ?answer,
+        ?own,
+        owned_config,
         upgrade,
-        "upgrade or uninstall decided by the DaemonSet watch's last view"
+        "upgrade or uninstall decided from a GET of DaemonSet {DAEMONSET}"
     );
     upgrade
-}
-
-/// The verdict when the API server could not be asked: the watch's view when it has one, else
-/// Istio's rule (credentials refused: the uninstall revoked them; other errors: `owned_config`).
-fn fallback(seen: Seen, denied: bool, owned_config: bool) -> bool {
-    match seen {
-        Seen::Present => true,
-        Seen::Gone => false,
-        Seen::Unknown => !denied && owned_config,
-    }
 }
 
 async fn decide(client: &kube::Client, namespace: &str, node: &str) -> Result<bool, kube::Error> {
@@ -196,19 +201,60 @@ fn requirement_holds(op: &str, value: Option<&str>, values: Option<&[String]>) -
 
 #[cfg(test)]
 mod tests {
-    use super::{Seen, fallback, requirement_holds};
+    use super::{Answer, OwnPod, requirement_holds, verdict};
 
     #[test]
-    fn an_unanswerable_shutdown_follows_the_watch_then_istio() {
-        // Force-deleted agent pod: its token is refused, the DaemonSet is still there.
-        assert!(fallback(Seen::Present, true, false));
-        // Uninstall: the watch saw the DaemonSet go, whatever the error and the config mode.
-        assert!(!fallback(Seen::Gone, true, true));
-        assert!(!fallback(Seen::Gone, false, true));
-        // No view: Istio's rule.
-        assert!(!fallback(Seen::Unknown, true, true));
-        assert!(!fallback(Seen::Unknown, false, false));
-        assert!(fallback(Seen::Unknown, false, true));
+    fn the_own_pod_as_the_watch_saw_it() {
+        assert_eq!(OwnPod::from_watch(false, true, None), OwnPod::Unknown);
+        assert_eq!(OwnPod::from_watch(true, false, None), OwnPod::Unknown);
+        assert_eq!(OwnPod::from_watch(true, true, None), OwnPod::Removed);
+        assert_eq!(OwnPod::from_watch(true, true, Some(true)), OwnPod::Deleting);
+        assert_eq!(OwnPod::from_watch(true, true, Some(false)), OwnPod::Running);
+    }
+
+    #[test]
+    fn an_answered_get_decides_whatever_the_pod_and_mode() {
+        for own in [
+            OwnPod::Unknown,
+            OwnPod::Running,
+            OwnPod::Deleting,
+            OwnPod::Removed,
+        ] {
+            for owned in [false, true] {
+                assert!(verdict(Answer::Decided(true), own, owned));
+                assert!(!verdict(Answer::Decided(false), own, owned));
+            }
+        }
+    }
+
+    #[test]
+    fn a_revoked_grant_is_an_uninstall() {
+        // 403: the token still works, so the pod was not force-deleted.
+        for own in [
+            OwnPod::Unknown,
+            OwnPod::Running,
+            OwnPod::Deleting,
+            OwnPod::Removed,
+        ] {
+            assert!(!verdict(Answer::Forbidden, own, true));
+        }
+    }
+
+    #[test]
+    fn a_refused_token_keeps_the_plugin_only_for_a_force_deleted_pod() {
+        // Force-deleted: the DaemonSet makes a new pod, which must find the plugin chained.
+        assert!(verdict(Answer::Unauthorized, OwnPod::Removed, false));
+        // The service account deleted under a pod the uninstall is deleting gracefully.
+        assert!(!verdict(Answer::Unauthorized, OwnPod::Deleting, true));
+        // No way to tell: Istio's rule.
+        assert!(!verdict(Answer::Unauthorized, OwnPod::Unknown, true));
+        assert!(!verdict(Answer::Unauthorized, OwnPod::Running, true));
+    }
+
+    #[test]
+    fn an_unreachable_api_server_follows_the_config_mode() {
+        assert!(verdict(Answer::Failed, OwnPod::Running, true));
+        assert!(!verdict(Answer::Failed, OwnPod::Running, false));
     }
 
     #[test]

@@ -75,6 +75,10 @@ pub struct InstallArgs {
     /// Namespace of this agent's pod.
     #[arg(long, env = "POD_NAMESPACE", default_value = "", global = true)]
     pub pod_namespace: String,
+    /// Name of this agent's pod: a stopping agent whose token is refused looks it up in its pod
+    /// watch to tell a force delete from an uninstall (`ambient::upgrade`).
+    #[arg(long, env = "POD_NAME", default_value = "", global = true)]
+    pub pod_name: String,
     /// Ambient mode.
     #[arg(long, env = "AMBIENT_ENABLED", default_value = "false", action = ArgAction::Set,
           num_args = 0..=1, require_equals = true, default_missing_value = "true",
