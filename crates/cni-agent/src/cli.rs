@@ -85,7 +85,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     if cli.command.is_none() {
         return run_agent(cli, cfg).await;
     }
-    tracing::info!(?cfg, "installer configuration");
+    cfg.log("installer configuration");
     let run_dir = cfg.run_dir.clone();
     let mut installer = Installer::new(cfg);
     match cli.command {
@@ -162,7 +162,7 @@ async fn run_agent(cli: Cli, mut cfg: InstallConfig) -> anyhow::Result<()> {
         }),
         None => None,
     };
-    tracing::info!(?cfg, ambient = ambient.is_some(), "agent configuration");
+    cfg.log("agent configuration");
     let unhonoured = a.unhonoured();
     crate::agent::run(cfg, ports, ambient, repair, unhonoured, shutdown_signal()).await
 }
@@ -183,7 +183,7 @@ pub fn main() -> ExitCode {
         return crate::dataplane_cli::run(args).unwrap_or_else(|e| {
             eprintln!(
                 "install-cni dataplane: {}",
-                crate::dataplane_cli::describe(&e)
+                crate::logging::describe_error(&e)
             );
             ExitCode::from(2)
         });
@@ -210,7 +210,7 @@ pub fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
+            tracing::error!("{}", crate::logging::describe_error(&e));
             ExitCode::FAILURE
         }
     }

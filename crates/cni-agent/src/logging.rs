@@ -1,17 +1,38 @@
-//! The agent's log output, driven by Istio's `istio.io/pkg/log` flags (see [`LogArgs`]): level per
-//! scope, JSON or text, targets (`--log_target`: `stdout`, `stderr`, file paths), caller
-//! locations (`--log_caller`) and a size-rotated file (`--log_rotate*`). Every event is formatted
-//! once and written whole to each target.
+//! The agent's log output in Istio's format (`istio.io/istio/pkg/log`, zap underneath), driven by
+//! Istio's flags (see [`LogArgs`]), so log pipelines and alerts written for Istio's agent keep
+//! working. `tools/istio/log-golden` writes the same records through Istio's own logger and
+//! `tests/log_format.rs` compares the two line by line.
+//!
+//! - Text: `time<TAB>level<TAB>scope<TAB>[caller<TAB>]msg[<TAB>k=v k=v]`, then the stack on the
+//!   next lines. The `default` scope prints no scope column.
+//! - JSON (`--log_as_json`): `{"level","time","scope","caller","msg",<labels>...,"stack"}`.
+//! - Scopes: everything the agent does logs as `cni-agent`, the plugin's records re-emitted from
+//!   `log.sock` as `cni-plugin` (with the plugin's own time), other crates' records (kube, hyper)
+//!   as `default`. Each scope has its own level, stack trace level and caller flag.
+//! - The flags follow Istio's `processLevels`: `level` alone sets the `default` scope only,
+//!   `all:level` sets every scope, `scope:level` one scope, applied left to right. Istio skips a
+//!   scope it does not know; we refuse it at start, naming the scopes, so a typo does not leave
+//!   a scope silently at info. All of Istio's agent's scopes are accepted.
+//! - Levels cannot be changed at runtime: Istio's agent serves ctrlz (`--ctrlz_port`, on the
+//!   node's loopback) for that; we have no ctrlz (see docs/troubleshooting.md).
+//!
+//! Every record is formatted once and written whole to each target.
 
 use std::fs::{File, OpenOptions};
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use clap::{ArgAction, Args};
 use dataplane::logfile::{RotatingFile, Rotation};
-use tracing_subscriber::fmt::MakeWriter;
+use serde_json::Value;
+use tracing::field::{Field, Visit};
+use tracing::subscriber::Interest;
+use tracing::{Event, Metadata, Subscriber};
+use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
 
 use crate::config::{ConfigError, go_bool};
 
@@ -19,7 +40,8 @@ use crate::config::{ConfigError, go_bool};
 /// [`crate::logging`] applies them.
 #[derive(Args, Debug, Clone)]
 pub struct LogArgs {
-    /// `level` or `scope:level,...` (scopes: cni-agent, cni-plugin); e.g. `info` or `cni-plugin:debug`.
+    /// `level` (the `default` scope), `scope:level,...` or `all:level`; e.g.
+    /// `cni-agent:debug,cni-plugin:debug`. Scopes: [`ISTIO_SCOPES`].
     #[arg(long = "log_output_level", default_value = "info", global = true)]
     pub log_output_level: String,
     /// Log JSON lines instead of text.
@@ -35,11 +57,10 @@ pub struct LogArgs {
         global = true
     )]
     pub log_target: Vec<String>,
-    /// Scopes whose records carry the source location (`cni-agent`, or `default` for all).
+    /// Scopes whose records carry the source location (e.g. `cni-agent`, or `all`).
     #[arg(long = "log_caller", default_value = "", global = true)]
     pub log_caller: String,
-    /// `level` or `scope:level,...` from which Istio adds stack traces; accepted and validated,
-    /// but a Rust log site has no stack to print.
+    /// `level` or `scope:level,...` from which records carry a stack trace (`stack`).
     #[arg(long = "log_stacktrace_level", default_value = "none", global = true)]
     pub log_stacktrace_level: String,
     /// A file that also receives the logs, rotated by size.
@@ -60,58 +81,186 @@ pub struct LogArgs {
     pub log_rotate_max_age: u32,
 }
 
-const LEVELS: [&str; 6] = ["none", "fatal", "error", "warn", "info", "debug"];
+/// The scopes Istio's install-cni registers (`log-golden scopes`, checked by
+/// `tests/log_format.rs`): the names its log flags accept.
+pub const ISTIO_SCOPES: &[&str] = &[
+    "ads",
+    "cni-agent",
+    "cni-plugin",
+    "controllers",
+    "default",
+    "grpc",
+    "klog",
+    "krt",
+    "model",
+    "monitoring",
+    "spiffe",
+    "trustBundle",
+    "validation",
+];
 
-/// The level `spec` (`level` or `scope:level,...`) gives `scope`, else its unscoped level, else
-/// `default`.
-fn scoped_level(
-    option: &'static str,
-    spec: &str,
-    scope: &str,
-    default: &'static str,
-) -> Result<String, ConfigError> {
-    let mut unscoped = default;
-    let mut scoped = None;
-    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (s, level) = match part.split_once(':') {
-            Some((s, l)) => (Some(s), l),
-            None => (None, part),
-        };
-        if !LEVELS.contains(&level) {
-            return Err(ConfigError::invalid(
-                option,
-                format!("unknown level {level:?}"),
-            ));
-        }
-        match s {
-            // Istio's catch-all scope sets the default like an unscoped level.
-            None | Some("default") => unscoped = level,
-            Some(s) if s == scope => scoped = Some(level),
-            Some(_) => {}
+/// The scope every agent component logs under.
+pub const AGENT_SCOPE: &str = "cni-agent";
+/// The scope of the plugin's records re-emitted from `log.sock`.
+pub const PLUGIN_SCOPE: &str = "cni-plugin";
+/// Istio's unnamed scope (no scope column): here, other crates' records.
+pub const DEFAULT_SCOPE: &str = "default";
+/// Istio's `OverrideScopeName`: every scope at once.
+const OVERRIDE_SCOPE: &str = "all";
+
+/// Istio's levels; a scope at level `L` writes records at `L` and below.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    None,
+    Fatal,
+    Error,
+    Warn,
+    Info,
+    Debug,
+}
+
+impl Level {
+    const ALL: [Level; 6] = [
+        Level::Debug,
+        Level::Info,
+        Level::Warn,
+        Level::Error,
+        Level::Fatal,
+        Level::None,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::None => "none",
+            Level::Fatal => "fatal",
+            Level::Error => "error",
+            Level::Warn => "warn",
+            Level::Info => "info",
+            Level::Debug => "debug",
         }
     }
-    Ok(scoped.unwrap_or(unscoped).to_string())
+
+    pub fn parse(s: &str) -> Option<Level> {
+        Level::ALL.into_iter().find(|l| l.name() == s)
+    }
+
+    /// Tracing has no fatal and Istio no trace: trace records are never written.
+    fn of(level: &tracing::Level) -> Option<Level> {
+        match *level {
+            tracing::Level::ERROR => Some(Level::Error),
+            tracing::Level::WARN => Some(Level::Warn),
+            tracing::Level::INFO => Some(Level::Info),
+            tracing::Level::DEBUG => Some(Level::Debug),
+            tracing::Level::TRACE => None,
+        }
+    }
+}
+
+fn known_scope(option: &'static str, scope: &str) -> Result<&'static str, ConfigError> {
+    ISTIO_SCOPES
+        .iter()
+        .copied()
+        .find(|s| *s == scope)
+        .ok_or_else(|| {
+            ConfigError::invalid(
+                option,
+                format!(
+                    "unknown scope {scope:?} (scopes: {OVERRIDE_SCOPE}, {})",
+                    ISTIO_SCOPES.join(", ")
+                ),
+            )
+        })
+}
+
+/// A level per scope: `initial`, then each `scope:level` of `spec` in turn (Istio's
+/// `processLevels`; see the module doc).
+fn scope_levels(
+    option: &'static str,
+    spec: &str,
+    initial: &[(&'static str, Level)],
+) -> Result<Vec<(&'static str, Level)>, ConfigError> {
+    let mut levels: Vec<_> = ISTIO_SCOPES.iter().map(|s| (*s, Level::Info)).collect();
+    let parts = initial.iter().map(|(s, l)| (Some(*s), l.name())).chain(
+        spec.split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| match p.split_once(':') {
+                Some((s, l)) => (Some(s), l),
+                None => (None, p),
+            }),
+    );
+    for (scope, level) in parts {
+        let l = Level::parse(level).ok_or_else(|| {
+            ConfigError::invalid(
+                option,
+                format!(
+                    "unknown level {level:?} (levels: {})",
+                    Level::ALL.map(Level::name).join(", ")
+                ),
+            )
+        })?;
+        match scope.unwrap_or(DEFAULT_SCOPE) {
+            OVERRIDE_SCOPE => levels.iter_mut().for_each(|(_, v)| *v = l),
+            s => {
+                let s = known_scope(option, s)?;
+                levels
+                    .iter_mut()
+                    .filter(|(n, _)| *n == s)
+                    .for_each(|(_, v)| *v = l);
+            }
+        }
+    }
+    Ok(levels)
+}
+
+fn level_in(levels: &[(&'static str, Level)], scope: &str) -> Level {
+    levels
+        .iter()
+        .find(|(s, _)| *s == scope)
+        .map_or(Level::None, |(_, l)| *l)
 }
 
 impl LogArgs {
-    /// Level of `scope`, falling back to the unscoped level, then `info`.
-    pub fn level_of(&self, scope: &str) -> Result<String, ConfigError> {
-        scoped_level("--log_output_level", &self.log_output_level, scope, "info")
-    }
-
-    /// `--log_stacktrace_level` of `scope`.
-    pub fn stacktrace_level_of(&self, scope: &str) -> Result<String, ConfigError> {
-        scoped_level(
-            "--log_stacktrace_level",
-            &self.log_stacktrace_level,
-            scope,
-            "none",
+    /// `--log_output_level` per scope, from Istio's defaults (`default:info,grpc:none`).
+    fn output_levels(&self) -> Result<Vec<(&'static str, Level)>, ConfigError> {
+        scope_levels(
+            "--log_output_level",
+            &self.log_output_level,
+            &[(DEFAULT_SCOPE, Level::Info), ("grpc", Level::None)],
         )
     }
-}
 
-/// The scope every agent component logs under; plugin records are re-emitted as `cni-plugin`.
-pub const AGENT_SCOPE: &str = "cni-agent";
+    /// `--log_stacktrace_level` per scope (Istio's default: none).
+    fn stacktrace_levels(&self) -> Result<Vec<(&'static str, Level)>, ConfigError> {
+        scope_levels(
+            "--log_stacktrace_level",
+            &self.log_stacktrace_level,
+            &[(OVERRIDE_SCOPE, Level::None)],
+        )
+    }
+
+    /// The output level of `scope` (the plugin is told its own, `cni-plugin`'s, as Istio does).
+    pub fn level_of(&self, scope: &str) -> Result<String, ConfigError> {
+        Ok(level_in(&self.output_levels()?, scope).name().to_string())
+    }
+
+    /// The scopes `--log_caller` names (`all`: every scope).
+    fn callers(&self) -> Result<Vec<&'static str>, ConfigError> {
+        let mut out = Vec::new();
+        for s in self
+            .log_caller
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
+            if s == OVERRIDE_SCOPE {
+                return Ok(ISTIO_SCOPES.to_vec());
+            }
+            out.push(known_scope("--log_caller", s)?);
+        }
+        Ok(out)
+    }
+}
 
 enum Target {
     Stdout,
@@ -140,17 +289,12 @@ impl Target {
     }
 }
 
-/// Where log events go; cloning shares the open files.
-#[derive(Clone)]
-pub struct LogOutputs {
-    targets: Arc<Vec<Target>>,
-    /// Escape colours only when every target is a terminal.
-    pub ansi: bool,
-}
+/// Where log records go.
+struct LogOutputs(Vec<Target>);
 
 impl LogOutputs {
     /// Opens the targets the flags name; an unopenable path is an error naming its flag.
-    pub fn from_args(log: &LogArgs) -> Result<Self, ConfigError> {
+    fn from_args(log: &LogArgs) -> Result<Self, ConfigError> {
         let mut targets = Vec::new();
         for t in log
             .log_target
@@ -183,73 +327,306 @@ impl LogOutputs {
                 log.rotation()?,
             ))));
         }
-        let ansi = !targets.is_empty()
-            && targets.iter().all(|t| match t {
-                Target::Stdout => std::io::stdout().is_terminal(),
-                Target::Stderr => std::io::stderr().is_terminal(),
-                _ => false,
-            });
-        Ok(LogOutputs {
-            targets: Arc::new(targets),
-            ansi,
+        Ok(LogOutputs(targets))
+    }
+}
+
+/// One record, as Istio's `Scope.emit` builds it.
+struct Record<'a> {
+    time: &'a str,
+    level: Level,
+    scope: &'static str,
+    /// `dir/file:line` (zap's short caller).
+    caller: Option<String>,
+    msg: &'a str,
+    labels: &'a [(String, Value)],
+    stack: Option<String>,
+}
+
+/// A label as Go's `fmt.Sprint` prints it in text: strings bare, the rest as JSON.
+fn label_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl Record<'_> {
+    fn text(&self) -> String {
+        let mut out = format!("{}\t{}", self.time, self.level.name());
+        if self.scope != DEFAULT_SCOPE {
+            out.push('\t');
+            out.push_str(self.scope);
+        }
+        if let Some(c) = &self.caller {
+            out.push('\t');
+            out.push_str(c);
+        }
+        out.push('\t');
+        out.push_str(self.msg);
+        if !self.labels.is_empty() {
+            let labels: Vec<String> = self
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}={}", label_text(v)))
+                .collect();
+            out.push('\t');
+            out.push_str(&labels.join(" "));
+        }
+        if let Some(stack) = &self.stack {
+            out.push('\n');
+            out.push_str(stack);
+        }
+        out.push('\n');
+        out
+    }
+
+    fn json(&self) -> String {
+        // Keys in zap's order; serde_json's map would sort them.
+        let mut fields: Vec<(&str, Value)> = vec![
+            ("level", self.level.name().into()),
+            ("time", self.time.into()),
+        ];
+        if self.scope != DEFAULT_SCOPE {
+            fields.push(("scope", self.scope.into()));
+        }
+        if let Some(c) = &self.caller {
+            fields.push(("caller", c.as_str().into()));
+        }
+        fields.push(("msg", self.msg.into()));
+        fields.extend(self.labels.iter().map(|(k, v)| (k.as_str(), v.clone())));
+        if let Some(stack) = &self.stack {
+            fields.push(("stack", stack.as_str().into()));
+        }
+        let body: Vec<String> = fields
+            .into_iter()
+            .map(|(k, v)| format!("{}:{v}", Value::from(k)))
+            .collect();
+        format!("{{{}}}\n", body.join(","))
+    }
+}
+
+/// The agent's logger: a tracing [`Layer`], and the writer of the plugin's re-emitted records
+/// ([`emit_plugin_record`]).
+pub struct IstioLog {
+    json: bool,
+    levels: Vec<(&'static str, Level)>,
+    stack_levels: Vec<(&'static str, Level)>,
+    callers: Vec<&'static str>,
+    outputs: LogOutputs,
+}
+
+impl IstioLog {
+    pub fn from_args(log: &LogArgs) -> Result<Self, ConfigError> {
+        Ok(IstioLog {
+            json: log.log_as_json,
+            levels: log.output_levels()?,
+            stack_levels: log.stacktrace_levels()?,
+            callers: log.callers()?,
+            outputs: LogOutputs::from_args(log)?,
         })
     }
-}
 
-/// One event's writer: each write goes to every target.
-pub struct EventWriter<'a>(&'a [Target]);
+    fn enabled(&self, scope: &str, level: Level) -> bool {
+        level != Level::None && level <= level_in(&self.levels, scope)
+    }
 
-impl Write for EventWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        for t in self.0 {
-            t.write(buf);
+    fn write(&self, record: &Record<'_>) {
+        let line = if self.json {
+            record.json()
+        } else {
+            record.text()
+        };
+        for t in &self.outputs.0 {
+            t.write(line.as_bytes());
         }
-        Ok(buf.len())
     }
 
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> MakeWriter<'a> for LogOutputs {
-    type Writer = EventWriter<'a>;
-
-    fn make_writer(&'a self) -> Self::Writer {
-        EventWriter(&self.targets)
-    }
-}
-
-fn tracing_level(level: &str) -> tracing_subscriber::filter::LevelFilter {
-    use tracing_subscriber::filter::LevelFilter;
-    match level {
-        "none" => LevelFilter::OFF,
-        "fatal" | "error" => LevelFilter::ERROR,
-        "warn" => LevelFilter::WARN,
-        "debug" => LevelFilter::DEBUG,
-        _ => LevelFilter::INFO,
+    /// Istio's `dumpStack`: the `default` scope dumps a stack for records at or above its stack
+    /// trace level, but every other scope for *all* its records once that level reaches error
+    /// (`cni-agent:error` puts a stack on info records too). It tells the scopes apart by
+    /// pointer, and `WithLabels` returns a copy: a `default` record with labels counts as
+    /// another scope's. tests/log_format.rs holds us to all of it.
+    fn stack(&self, scope: &str, level: Level, labelled: bool) -> Option<String> {
+        let threshold = if scope == DEFAULT_SCOPE && !labelled {
+            level
+        } else {
+            Level::Error
+        };
+        (level_in(&self.stack_levels, scope) >= threshold)
+            .then(|| std::backtrace::Backtrace::force_capture().to_string())
     }
 }
 
-/// Installs the global subscriber described by the flags.
-pub fn init(log: &LogArgs) -> Result<(), ConfigError> {
-    let level = tracing_level(&log.level_of(AGENT_SCOPE)?);
-    // Validated for a clear error; Rust log sites carry no stack, so there is nothing to print.
-    log.stacktrace_level_of(AGENT_SCOPE)?;
-    let outputs = LogOutputs::from_args(log)?;
-    let caller = log.caller_enabled(AGENT_SCOPE);
-    let builder = tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_ansi(outputs.ansi)
-        .with_writer(outputs)
-        .with_target(false)
-        .with_file(caller)
-        .with_line_number(caller);
-    if log.log_as_json {
-        builder.json().init();
+/// The scope of a tracing target: a scope's own name (as `log.sock` uses), the agent's crates,
+/// or `default` for everything else.
+fn scope_of(target: &str) -> &'static str {
+    const AGENT_CRATES: [&str; 3] = ["cni_agent", "dataplane", "cni_core"];
+    if let Some(s) = ISTIO_SCOPES.iter().find(|s| **s == target) {
+        return s;
+    }
+    let krate = target.split("::").next().unwrap_or(target);
+    if AGENT_CRATES.contains(&krate) {
+        AGENT_SCOPE
     } else {
-        builder.init();
+        DEFAULT_SCOPE
     }
+}
+
+/// Collects an event's message and its other fields, in order, as labels.
+#[derive(Default)]
+struct Fields {
+    msg: String,
+    labels: Vec<(String, Value)>,
+}
+
+impl Fields {
+    fn add(&mut self, field: &Field, value: Value) {
+        if field.name() == "message" {
+            self.msg = label_text(&value);
+        } else if !field.name().starts_with("log.") {
+            self.labels.push((field.name().to_string(), value));
+        }
+    }
+}
+
+impl Visit for Fields {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.add(field, value.into());
+    }
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        self.add(field, value.into());
+    }
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.add(field, value.into());
+    }
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.add(field, value.into());
+    }
+    fn record_f64(&mut self, field: &Field, value: f64) {
+        self.add(field, value.into());
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.add(field, format!("{value:?}").into());
+    }
+}
+
+impl<S: Subscriber> Layer<S> for IstioLog {
+    fn register_callsite(&self, meta: &'static Metadata<'static>) -> Interest {
+        // Levels are fixed for the process, so each call site is decided once.
+        match Level::of(meta.level()) {
+            Some(l) if !meta.is_event() || self.enabled(scope_of(meta.target()), l) => {
+                Interest::always()
+            }
+            _ => Interest::never(),
+        }
+    }
+
+    fn enabled(&self, meta: &Metadata<'_>, _: Context<'_, S>) -> bool {
+        !meta.is_event()
+            || Level::of(meta.level()).is_some_and(|l| self.enabled(scope_of(meta.target()), l))
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        let max = self.levels.iter().map(|(_, l)| *l).max();
+        Some(match max {
+            Some(Level::Debug) => LevelFilter::DEBUG,
+            Some(Level::Info) => LevelFilter::INFO,
+            Some(Level::Warn) => LevelFilter::WARN,
+            Some(Level::Error | Level::Fatal) => LevelFilter::ERROR,
+            Some(Level::None) | None => LevelFilter::OFF,
+        })
+    }
+
+    fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
+        let meta = event.metadata();
+        let Some(level) = Level::of(meta.level()) else {
+            return;
+        };
+        let scope = scope_of(meta.target());
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        let time = cni_core::cmdadd::log_time(std::time::SystemTime::now());
+        let caller = self
+            .callers
+            .contains(&scope)
+            .then(|| short_caller(meta.file(), meta.line()));
+        self.write(&Record {
+            time: &time,
+            level,
+            scope,
+            caller,
+            msg: &fields.msg,
+            labels: &fields.labels,
+            stack: self.stack(scope, level, !fields.labels.is_empty()),
+        });
+    }
+}
+
+/// zap's `ShortCallerEncoder`: the file's directory and name, and the line.
+fn short_caller(file: Option<&str>, line: Option<u32>) -> String {
+    let file = file.unwrap_or("?");
+    let short = match file.rmatch_indices('/').nth(1) {
+        Some((i, _)) => &file[i + 1..],
+        None => file,
+    };
+    format!("{short}:{}", line.unwrap_or(0))
+}
+
+/// Writes one of the plugin's records (from `log.sock`) as `cni-plugin`, with the plugin's time
+/// and labels, as Istio's agent does (`LogWithTime`). `level` is the plugin's; records at levels
+/// the plugin does not send (`fatal`, unknown) are dropped, as Istio drops them.
+#[track_caller]
+pub fn emit_plugin_record(level: &str, time: &str, msg: &str, labels: &[(String, Value)]) {
+    let Some(level) = Level::parse(level).filter(|l| *l >= Level::Error) else {
+        return;
+    };
+    let site = std::panic::Location::caller();
+    tracing::dispatcher::get_default(|d| {
+        let Some(log) = d.downcast_ref::<IstioLog>() else {
+            return;
+        };
+        if !log.enabled(PLUGIN_SCOPE, level) {
+            return;
+        }
+        log.write(&Record {
+            time,
+            level,
+            scope: PLUGIN_SCOPE,
+            caller: log
+                .callers
+                .contains(&PLUGIN_SCOPE)
+                .then(|| short_caller(Some(site.file()), Some(site.line()))),
+            msg,
+            labels,
+            stack: log.stack(PLUGIN_SCOPE, level, !labels.is_empty()),
+        });
+    });
+}
+
+/// The error and its causes, each once: most of our errors embed their source in their own text
+/// *and* return it from `source()`, so anyhow's `{:#}` printed a cause up to three times
+/// (`copying binaries: reading /x: ENOENT: reading /x: ENOENT: ENOENT`); a cause the text above
+/// already spells out is skipped.
+pub fn describe_error(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
+/// Installs the logger the flags describe as the process's subscriber.
+pub fn init(log: &LogArgs) -> Result<(), ConfigError> {
+    tracing_subscriber::registry()
+        .with(IstioLog::from_args(log)?)
+        .init();
     Ok(())
 }
 
@@ -272,13 +649,5 @@ impl LogArgs {
             max_age: (self.log_rotate_max_age > 0)
                 .then(|| Duration::from_secs(u64::from(self.log_rotate_max_age) * 86_400)),
         })
-    }
-
-    /// Whether `--log_caller` names `scope` (or Istio's catch-all `default` scope).
-    pub fn caller_enabled(&self, scope: &str) -> bool {
-        self.log_caller
-            .split(',')
-            .map(str::trim)
-            .any(|s| s == scope || s == "default")
     }
 }

@@ -1,5 +1,6 @@
 //! `<CNI_AGENT_RUN_DIR>/log.sock`: the plugin's logs, re-emitted through the agent's own logging
-//! so they reach the DaemonSet's log stream (kubelet's copy of the plugin's stderr is easy to miss).
+//! so they reach the DaemonSet's log stream (kubelet's copy of the plugin's stderr is easy to miss),
+//! as scope `cni-plugin` with the plugin's own time (see [`crate::logging::emit_plugin_record`]).
 //!
 //! Wire format (Istio's): `POST /log` with a JSON array of strings, each string one JSON record
 //! with `time`, `level` and `msg` (required) and any other keys as labels. Records failing to parse
@@ -18,70 +19,63 @@ pub struct PluginLog {
     pub time: String,
     pub level: String,
     pub msg: String,
-    /// Every other key (`scope`, `pod`, ...), rendered as `k=v`.
+    /// Every other key (`pod`, ...): the record's labels.
     pub labels: Map<String, Value>,
 }
 
 /// Parses a batch; malformed records (not JSON objects, or without string `time`, `level`, `msg`)
-/// are skipped.
+/// are skipped with a debug record, a malformed batch with an error record, as Istio's agent does.
 pub fn parse_batch(body: &[u8]) -> Vec<PluginLog> {
-    let Ok(lines) = serde_json::from_slice::<Vec<String>>(body) else {
-        return Vec::new();
+    let lines = match serde_json::from_slice::<Vec<String>>(body) {
+        Ok(lines) => lines,
+        Err(e) => {
+            tracing::error!("Failed to unmarshal CNI plugin logs: {e}");
+            return Vec::new();
+        }
     };
     lines
         .iter()
-        .filter_map(|line| {
-            let Value::Object(mut obj) = serde_json::from_str::<Value>(line).ok()? else {
-                return None;
-            };
-            let mut take = |k: &str| match obj.remove(k) {
-                Some(Value::String(s)) => Some(s),
-                _ => None,
-            };
-            let (time, level, msg) = (take("time")?, take("level")?, take("msg")?);
-            Some(PluginLog {
-                time,
-                level,
-                msg: msg.trim().to_string(),
-                labels: obj,
-            })
+        .filter_map(|line| match parse_record(line) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::debug!("Failed to unmarshal CNI plugin log entry: {e}");
+                None
+            }
         })
         .collect()
 }
 
-fn labels_text(labels: &Map<String, Value>) -> String {
-    labels
-        .iter()
-        .map(|(k, v)| match v {
-            Value::String(s) => format!("{k}={s}"),
-            other => format!("{k}={other}"),
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
+fn parse_record(line: &str) -> Result<PluginLog, String> {
+    let Value::Object(mut obj) = serde_json::from_str::<Value>(line).map_err(|e| e.to_string())?
+    else {
+        return Err("not a JSON object".into());
+    };
+    let mut take = |k: &str| match obj.remove(k) {
+        Some(Value::String(s)) => Ok(s),
+        _ => Err(format!("no string {k:?}")),
+    };
+    let (time, level, msg) = (take("time")?, take("level")?, take("msg")?);
+    Ok(PluginLog {
+        time,
+        level,
+        msg: msg.trim().to_string(),
+        labels: obj,
+    })
 }
 
 /// Lines of one batch stay together even when several plugins log at once.
 static EMIT: Mutex<()> = Mutex::new(());
 
-fn emit(batch: &[PluginLog]) {
+/// Re-emits a batch as scope `cni-plugin`, filtered by that scope's level.
+pub fn emit(batch: &[PluginLog]) {
     let _guard = EMIT.lock().unwrap_or_else(|p| p.into_inner());
     for r in batch {
-        let labels = labels_text(&r.labels);
-        match r.level.as_str() {
-            "debug" => {
-                tracing::debug!(target: "cni-plugin", plugin_time = %r.time, labels = %labels, "{}", r.msg)
-            }
-            "info" => {
-                tracing::info!(target: "cni-plugin", plugin_time = %r.time, labels = %labels, "{}", r.msg)
-            }
-            "warn" => {
-                tracing::warn!(target: "cni-plugin", plugin_time = %r.time, labels = %labels, "{}", r.msg)
-            }
-            "error" => {
-                tracing::error!(target: "cni-plugin", plugin_time = %r.time, labels = %labels, "{}", r.msg)
-            }
-            _ => {}
-        }
+        let labels: Vec<(String, Value)> = r
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        crate::logging::emit_plugin_record(&r.level, &r.time, &r.msg, &labels);
     }
 }
 
@@ -111,7 +105,10 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].msg, "added pod");
         assert_eq!(got[0].level, "info");
-        assert_eq!(labels_text(&got[0].labels), "key=2 scope=cni-plugin");
+        assert_eq!(
+            Value::Object(got[0].labels.clone()),
+            serde_json::json!({"key": 2, "scope": "cni-plugin"})
+        );
         assert!(parse_batch(b"{}").is_empty());
     }
 }

@@ -84,7 +84,7 @@ impl Node {
 
     fn config(&self, extra: &[(&str, &str)]) -> InstallConfig {
         let cli: Cli = parse_from(
-            ["install-cni", "--log_output_level=debug"],
+            ["install-cni", "--log_output_level=all:debug"],
             &self.env(extra),
         )
         .unwrap();
@@ -95,7 +95,7 @@ impl Node {
         let mut cmd = Command::new(BIN);
         cmd.env_clear()
             .envs(self.env(extra))
-            .arg("--log_output_level=debug")
+            .arg("--log_output_level=all:debug")
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

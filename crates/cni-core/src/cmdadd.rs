@@ -50,6 +50,36 @@ pub const ISTIO_CMDADD_PATH: &str = "/cmdadd";
 /// Log forwarding endpoint on [`LOG_SOCKET`].
 pub const LOG_PATH: &str = "/log";
 
+/// A log record's `time`: `YYYY-MM-DDTHH:MM:SS.uuuuuuZ` in UTC, Istio's logger's format (its
+/// `formatDate`), in the plugin's records on [`LOG_SOCKET`] and in every line the agent writes.
+pub fn log_time(t: std::time::SystemTime) -> String {
+    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, mo, da) = civil_from_days(days as i64);
+    format!(
+        "{y:04}-{mo:02}-{da:02}T{:02}:{:02}:{:02}.{:06}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_micros()
+    )
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
 /// One CNI ADD as the agent needs it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CmdAddRequest {
@@ -310,6 +340,16 @@ fn get_ci<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_times() {
+        use std::time::{Duration, UNIX_EPOCH};
+        assert_eq!(log_time(UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
+        let t = UNIX_EPOCH + Duration::from_micros(1_709_210_096_123_456);
+        assert_eq!(log_time(t), "2024-02-29T12:34:56.123456Z");
+        let t = UNIX_EPOCH + Duration::from_secs(4_102_444_799);
+        assert_eq!(log_time(t), "2099-12-31T23:59:59.000000Z");
+    }
 
     fn sample() -> CmdAddRequest {
         CmdAddRequest {

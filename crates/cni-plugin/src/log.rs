@@ -11,7 +11,7 @@
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use cni_core::cmdadd::{LOG_PATH, LOG_SOCKET};
 use dataplane::logfile::{RotatingFile, Rotation};
@@ -182,7 +182,10 @@ fn render(
     kv: &[(&str, &str)],
 ) -> String {
     let mut m = Map::new();
-    m.insert("time".into(), Value::String(rfc3339_micros(now)));
+    m.insert(
+        "time".into(),
+        Value::String(cni_core::cmdadd::log_time(now)),
+    );
     m.insert("level".into(), Value::String(level.name().into()));
     m.insert("msg".into(), Value::String(msg.into()));
     for (k, v) in labels {
@@ -205,47 +208,10 @@ fn render(
     out
 }
 
-/// `YYYY-MM-DDTHH:MM:SS.uuuuuuZ` in UTC, the format Istio's logger uses and the agent parses.
-pub fn rfc3339_micros(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (y, mo, da) = civil_from_days(days as i64);
-    format!(
-        "{y:04}-{mo:02}-{da:02}T{:02}:{:02}:{:02}.{:06}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        d.subsec_micros()
-    )
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn timestamps() {
-        assert_eq!(rfc3339_micros(UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
-        let t = UNIX_EPOCH + Duration::from_micros(1_709_210_096_123_456);
-        assert_eq!(rfc3339_micros(t), "2024-02-29T12:34:56.123456Z");
-        let t = UNIX_EPOCH + Duration::from_secs(4_102_444_799);
-        assert_eq!(rfc3339_micros(t), "2099-12-31T23:59:59.000000Z");
-    }
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn records_are_json_with_fixed_leading_keys() {

@@ -193,6 +193,41 @@ fn plain_file_name(option: &'static str, name: &str) -> Result<String, ConfigErr
 }
 
 impl InstallConfig {
+    /// Logs the settings an operator checks first as the record's labels, readable in `kubectl
+    /// logs` (`conf_dir=/host/etc/cni/net.d mode=chained ...`), where Istio prints its struct.
+    pub fn log(&self, msg: &str) {
+        let mode = match &self.mode {
+            ConfMode::Chained => "chained".to_string(),
+            ConfMode::Owned { filename } => format!("owned:{filename}"),
+            ConfMode::Standalone { filename } => format!("standalone:{filename}"),
+        };
+        let paths = |dirs: &[PathBuf]| {
+            let shown: Vec<_> = dirs.iter().map(|d| d.display().to_string()).collect();
+            shown.join(",")
+        };
+        let k = &self.kube_service;
+        let kube_service = match (&k.host, k.port) {
+            (Some(host), Some(port)) => format!("{}://{host}:{port}", k.protocol),
+            _ => "unset".to_string(),
+        };
+        tracing::info!(
+            conf_dir = %self.conf_dir.display(),
+            mode = %mode,
+            // Empty: the first config in conf_dir.
+            primary = self.primary_name.as_deref().unwrap_or(""),
+            bin_source_dir = %self.bin_source_dir.display(),
+            bin_dirs = %paths(&self.bin_dirs),
+            run_dir = %self.run_dir.display(),
+            kube_service = %kube_service,
+            kubeconfig_mode = %format!("{:o}", self.kubeconfig_mode),
+            skip_tls_verify = self.skip_tls_verify,
+            plugin_log_level = %self.entry.plugin_log_level,
+            ambient = self.entry.ambient_enabled,
+            exclude_namespaces = %self.entry.exclude_namespaces.as_deref().unwrap_or_default().join(","),
+            "{msg}"
+        );
+    }
+
     pub fn from_args(args: &InstallArgs, log: &LogArgs) -> Result<Self, ConfigError> {
         let conf_name = args
             .cni_conf_name
@@ -616,10 +651,10 @@ mod tests {
     fn plugin_log_level_comes_from_the_cni_plugin_scope() {
         let c = parse(&["--log_output_level=warn,cni-plugin:debug"], &[]).unwrap();
         assert_eq!(c.entry.plugin_log_level, "debug");
+        // As in Istio, an unscoped level is the `default` scope's: the plugin stays at info.
         let c = parse(&["--log_output_level=error"], &[]).unwrap();
-        assert_eq!(c.entry.plugin_log_level, "error");
-        // Istio's catch-all `default` scope is the unscoped level.
-        let c = parse(&["--log_output_level=default:warn"], &[]).unwrap();
+        assert_eq!(c.entry.plugin_log_level, "info");
+        let c = parse(&["--log_output_level=all:warn"], &[]).unwrap();
         assert_eq!(c.entry.plugin_log_level, "warn");
         let c = parse(&["--log_output_level=cni-plugin:debug,default:error"], &[]).unwrap();
         assert_eq!(c.entry.plugin_log_level, "debug");
