@@ -19,6 +19,8 @@ const ADMIN_TOKEN: &str = "istio-cni-rs-test-admin";
 pub struct KubeTestEnv {
     /// etcd, then kube-apiserver.
     processes: Vec<Child>,
+    /// The etcd client, etcd peer and API server ports, held while the processes live.
+    _ports: [crate::ports::Held; 3],
     /// How kube-apiserver was started, for [`restart_apiserver`](Self::restart_apiserver).
     apiserver: Vec<std::ffi::OsString>,
     dir: tempfile::TempDir,
@@ -71,23 +73,10 @@ fn spawn(cmd: &mut Command, log: &Path) -> Child {
 impl KubeTestEnv {
     /// Starts etcd and kube-apiserver and waits until the API server reports ready.
     ///
-    /// Ports are picked free and then handed to the processes, so another process on the
-    /// machine can take one in between: that start is retried on fresh ports.
+    /// Their ports stay held by the test bed for the environment's life and are shared with them
+    /// alone ([`crate::ports::held`]): no other process on the machine can take one before they
+    /// bind it, nor the API server's while it restarts.
     pub async fn start() -> Self {
-        const ATTEMPTS: usize = 3;
-        for attempt in 1.. {
-            match Self::try_start().await {
-                Ok(env) => return env,
-                Err(e) if attempt < ATTEMPTS && e.contains("address already in use") => {
-                    eprintln!("kube-testenv: a port was taken before use, retrying: {e}");
-                }
-                Err(e) => panic!("{e}"),
-            }
-        }
-        unreachable!("the loop returns or panics")
-    }
-
-    async fn try_start() -> Result<Self, String> {
         let bin = binaries_dir();
         let dir = tempfile::Builder::new()
             .prefix("kube-testenv")
@@ -95,15 +84,21 @@ impl KubeTestEnv {
             .unwrap();
         let d = dir.path().to_path_buf();
         let d = d.as_path();
+        let (client, peer, api) = (
+            crate::ports::held(),
+            crate::ports::held(),
+            crate::ports::held(),
+        );
+        let (client_port, peer_port, port) = (client.port(), peer.port(), api.port());
         let mut env = KubeTestEnv {
             processes: Vec::new(),
+            _ports: [client, peer, api],
             apiserver: Vec::new(),
             dir,
             server: String::new(),
             admin: std::sync::OnceLock::new(),
         };
 
-        let (client_port, peer_port) = (crate::ports::unused(), crate::ports::unused());
         let etcd_url = format!("http://127.0.0.1:{client_port}");
         let peer_url = format!("http://127.0.0.1:{peer_port}");
         env.processes.push(spawn(
@@ -114,7 +109,8 @@ impl KubeTestEnv {
                 .arg(format!("--listen-peer-urls={peer_url}"))
                 .arg(format!("--initial-advertise-peer-urls={peer_url}"))
                 .arg(format!("--initial-cluster=default={peer_url}"))
-                .arg("--unsafe-no-fsync"),
+                .arg("--unsafe-no-fsync")
+                .arg("--socket-reuse-port"),
             &d.join("etcd.log"),
         ));
 
@@ -144,13 +140,13 @@ impl KubeTestEnv {
         )
         .unwrap();
 
-        let port = crate::ports::unused();
         env.server = format!("https://127.0.0.1:{port}");
         let flags = [
             format!("--etcd-servers={etcd_url}"),
             "--bind-address=127.0.0.1".into(),
             "--advertise-address=127.0.0.1".into(),
             format!("--secure-port={port}"),
+            "--permit-port-sharing".into(),
             format!("--tls-cert-file={}", cert.display()),
             format!("--tls-private-key-file={}", key.display()),
             "--authorization-mode=RBAC".into(),
@@ -168,8 +164,10 @@ impl KubeTestEnv {
             .collect();
         let apiserver = env.spawn_apiserver();
         env.processes.push(apiserver);
-        env.wait_ready().await?;
-        Ok(env)
+        if let Err(e) = env.wait_ready().await {
+            panic!("{e}");
+        }
+        env
     }
 
     fn spawn_apiserver(&self) -> Child {

@@ -163,6 +163,8 @@ pub struct TestNode {
     /// Whose agent [`start_agent`](Self::start_agent) starts.
     pub agent_kind: Agent,
     agent: Option<Child>,
+    /// Where the running agent's lines begin in `agent.log`.
+    agent_log_start: u64,
     kubelet: Option<Child>,
     api_forwarder: std::net::TcpListener,
 }
@@ -325,6 +327,7 @@ impl TestNode {
             backend,
             extra_env: Vec::new(),
             agent: None,
+            agent_log_start: 0,
             kubelet,
             dir,
         };
@@ -394,6 +397,7 @@ impl TestNode {
             .append(true)
             .open(self.path("agent.log"))
             .unwrap();
+        self.agent_log_start = log.metadata().unwrap().len();
         let level = std::env::var("AGENT_LOG_LEVEL").unwrap_or_else(|_| "info".into());
         // `AGENT_WRAPPER="heaptrack -o /tmp/agent"` (or perf, valgrind...) runs the agent under a
         // profiler; memory readings are then the wrapper's.
@@ -522,15 +526,37 @@ impl TestNode {
     }
 
     /// Waits until `/readyz` is 200 (installer, watches and ZDS server all ready).
+    ///
+    /// Our agent's health and metrics ports are only found free ([`crate::ports::unused`]) and
+    /// live in the machine's network namespace, where another process may take one before the
+    /// agent binds it: the agent then says so in its log, and is started again on fresh ports.
     pub async fn wait_ready(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut deadline = Instant::now() + Duration::from_secs(60);
+        let mut starts = 1;
         loop {
             if let Some(c) = self.agent.as_mut()
                 && let Ok(Some(status)) = c.try_wait()
             {
                 panic!("agent exited with {status}:\n{}", self.agent_log());
             }
-            if let Some((200, _)) = self.readyz() {
+            if let Some(line) = self.port_taken() {
+                assert!(
+                    starts < crate::ports::START_ATTEMPTS,
+                    "the agent found its ports taken {starts} times:\n{}",
+                    self.agent_log()
+                );
+                starts += 1;
+                eprintln!("test node: starting the agent again on fresh ports: {line}");
+                self.kill_agent();
+                self.health_port = crate::ports::unused();
+                self.metrics_port = crate::ports::unused();
+                self.start_agent();
+                deadline = Instant::now() + Duration::from_secs(60);
+                continue;
+            }
+            if let Some((200, _)) = self.readyz()
+                && self.agent_listens(self.health_port)
+            {
                 return;
             }
             assert!(
@@ -541,6 +567,41 @@ impl TestNode {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Our agent's log line saying that a port it was given is held by another process.
+    fn port_taken(&self) -> Option<String> {
+        if self.agent_kind != Agent::Ours {
+            // Istio's agent listens in the node's network namespace, where nothing else does.
+            return None;
+        }
+        let log = std::fs::read(self.path("agent.log")).unwrap_or_default();
+        let start = usize::try_from(self.agent_log_start).map_or(log.len(), |s| s.min(log.len()));
+        String::from_utf8_lossy(&log[start..])
+            .lines()
+            .find(|l| l.contains("port in use"))
+            .map(str::to_string)
+    }
+
+    /// Whether the agent (or a process below it, under `AGENT_WRAPPER`) holds the listener on
+    /// `port`: a process that took the port first, another test's agent, may answer `/readyz`
+    /// as well.
+    fn agent_listens(&self, port: u16) -> bool {
+        let Some(pid) = self.agent_pid() else {
+            return false;
+        };
+        if self.agent_kind != Agent::Ours {
+            return true;
+        }
+        let listeners = listening_sockets(port);
+        process_tree(pid).into_iter().any(|p| {
+            std::fs::read_dir(format!("/proc/{p}/fd"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .any(|target| listeners.contains(&target.to_string_lossy().into_owned()))
+        })
     }
 
     /// The CNI config the installer wrote (the primary with our entry chained).
@@ -876,6 +937,51 @@ pub fn app_request(from: &TestPod, to: &TestPod, port: u16) -> std::io::Result<S
             Ok(out)
         })
         .map_err(std::io::Error::other)?
+}
+
+/// The listening TCP sockets on `port` in this process's network namespace, as their fd links
+/// read (`socket:[inode]`).
+fn listening_sockets(port: u16) -> Vec<String> {
+    const LISTEN: &str = "0A";
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let f: Vec<&str> = line.split_whitespace().collect();
+                    let (local, state, inode) = (f.get(1)?, f.get(3)?, f.get(9)?);
+                    let local_port = u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?;
+                    (local_port == port && *state == LISTEN).then(|| format!("socket:[{inode}]"))
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// `pid` and every process below it.
+fn process_tree(pid: u32) -> Vec<u32> {
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while let Some(&p) = tree.get(i) {
+        let tasks = std::fs::read_dir(format!("/proc/{p}/task"))
+            .into_iter()
+            .flatten()
+            .flatten();
+        for task in tasks {
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            tree.extend(
+                children
+                    .split_whitespace()
+                    .filter_map(|c| c.parse::<u32>().ok()),
+            );
+        }
+        i += 1;
+    }
+    tree
 }
 
 fn http_get(port: u16, path: &str) -> Option<(u16, String)> {

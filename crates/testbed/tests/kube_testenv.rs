@@ -89,3 +89,39 @@ async fn service_account_without_rbac_is_forbidden() {
         other => panic!("expected 403 Forbidden, got {other:?}"),
     }
 }
+
+/// The API server's port stays held by the test bed while the server restarts (issue #35): a
+/// process binding it over and over meanwhile never gets it, and the server comes back on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_servers_port_cannot_be_taken_while_it_restarts() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut env = KubeTestEnv::start().await;
+    let port = env.port();
+    let stop = Arc::new(AtomicBool::new(false));
+    let taker = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut tries = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for addr in ["127.0.0.1", "0.0.0.0"] {
+                    if std::net::TcpListener::bind((addr, port)).is_ok() {
+                        return Err(format!("took {addr}:{port} after {tries} tries"));
+                    }
+                }
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(tries)
+        })
+    };
+    env.restart_apiserver().await;
+    stop.store(true, Ordering::Relaxed);
+    let tries = taker.join().unwrap().unwrap_or_else(|e| panic!("{e}"));
+    assert!(tries > 0, "the taker never tried");
+    assert_eq!(env.port(), port);
+    Api::<Namespace>::all(env.client())
+        .list(&Default::default())
+        .await
+        .expect("the restarted API server answers on its port");
+}

@@ -212,10 +212,39 @@ async fn an_ambient_add_waits_for_a_restarting_agent() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!add.is_finished(), "the ADD did not wait for the agent");
     node.start_agent();
+    node.wait_ready().await;
     let result = finished(add, &node);
     node.report_running(&mut pod, &result).await;
     node.wait_redirection(&pod, Some("enabled")).await;
     assert_pod_redirected_by(&pod, Backend::Nftables);
+}
+
+/// The agent's health and metrics ports are only found free before it binds them (it cannot share
+/// a port the test bed holds), so another process may take one first: the node then starts the
+/// agent again on fresh ports instead of failing the test (issue #35). Here both ports of a
+/// restart are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_whose_ports_were_taken_comes_up_on_fresh_ones() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Iptables).await;
+    node.kill_agent();
+    let taken = [testbed::ports::held(), testbed::ports::held()];
+    (node.health_port, node.metrics_port) = (taken[0].port(), taken[1].port());
+    node.start_agent();
+    node.wait_ready().await;
+    let now = [node.health_port, node.metrics_port];
+    assert!(
+        taken.iter().all(|t| !now.contains(&t.port())),
+        "the agent kept a taken port: {now:?}"
+    );
+    let log = std::fs::read_to_string(node.path("agent.log")).unwrap();
+    assert!(log.contains("port in use"), "no collision seen:\n{log}");
+    let metrics = node.metrics();
+    assert!(
+        metrics.lines().any(|l| l.starts_with("ztunnel_connected ")),
+        "no metrics on the fresh port {}: {metrics}",
+        node.metrics_port
+    );
 }
 
 /// An ambient pod whose ADD comes while no ztunnel is connected (ztunnel restarting, or not yet
