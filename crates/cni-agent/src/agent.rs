@@ -477,6 +477,7 @@ async fn start_ambient(
         locks: Default::default(),
         probe_ips: Default::default(),
         finished: Default::default(),
+        last_errors: Default::default(),
     });
     let policy = Arc::new(Policy {
         selectors: cfg.selectors.clone(),

@@ -42,7 +42,14 @@ pub enum Command {
     /// Why is (or isn't) a pod meshed: asks the running agent on this node.
     Explain {
         /// `<namespace>/<pod>`
-        pod: String,
+        #[arg(required_unless_present = "node", conflicts_with = "node")]
+        pod: Option<String>,
+        /// Every pod the agent watches on this node: meshed or why not, and the last add error.
+        #[arg(long)]
+        node: bool,
+        /// `text` or `json`.
+        #[arg(short = 'o', long = "output", default_value = "text", value_parser = ["text", "json"])]
+        output: String,
     },
     /// Program, verify or remove pod/host redirection by hand.
     Dataplane(crate::dataplane_cli::DataplaneArgs),
@@ -69,16 +76,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         println!("install-cni {}", env!("CARGO_PKG_VERSION"));
         return Ok(());
     }
-    if let Some(Command::Explain { pod }) = &cli.command {
-        let (namespace, name) = pod
-            .split_once('/')
-            .ok_or_else(|| anyhow::anyhow!("expected <namespace>/<pod>, got {pod:?}"))?;
+    if let Some(Command::Explain { pod, node, output }) = &cli.command {
+        use crate::ambient::explain;
+        let subject = explain::Subject::new(pod.as_deref(), *node)?;
         let socket = cli
             .install
             .cni_agent_run_dir
             .join(crate::agent::DEBUG_SOCKET);
-        let e = crate::ambient::explain::query(&socket, namespace, name).await?;
-        print!("{e}");
+        print!(
+            "{}",
+            explain::explain(&socket, &subject, output == "json").await?
+        );
         return Ok(());
     }
     let cfg = InstallConfig::from_args(&cli.install, &cli.log)?;

@@ -149,6 +149,31 @@ pub struct Mesh {
     pub probe_ips: ProbeIps,
     /// Pods removed for good while their object still existed (terminal phase).
     pub finished: FinishedPods,
+    /// Why each pod's last add failed, for `install-cni explain`.
+    pub last_errors: LastErrors,
+}
+
+/// The error of each pod's last failed add, by UID: kept until an add succeeds or the pod is
+/// deleted, so the map holds only pods that are failing now.
+#[derive(Default)]
+pub struct LastErrors(std::sync::Mutex<HashMap<String, String>>);
+
+impl LastErrors {
+    fn record(&self, uid: &str, result: &Result<(), MeshError>) {
+        let mut m = self.0.lock().unwrap();
+        match result {
+            Ok(()) => m.remove(uid),
+            Err(e) => m.insert(uid.to_string(), e.to_string()),
+        };
+    }
+
+    fn forget(&self, uid: &str) {
+        self.0.lock().unwrap().remove(uid);
+    }
+
+    pub fn get(&self, uid: &str) -> Option<String> {
+        self.0.lock().unwrap().get(uid).cloned()
+    }
 }
 
 /// UIDs of pods removed from the mesh because they terminated, and not added since. Their delete
@@ -287,6 +312,7 @@ impl Mesh {
         let _pod_lock = self.locks.lock(&uid).await;
         self.finished.forget(&uid);
         let added = self.add_locked(pod, &uid, ips, netns_path).await;
+        self.last_errors.record(&uid, &added);
         if added.is_err() && netns_path.is_some() {
             // A failed ADD's sandbox is torn down by the runtime, which retries with a new one:
             // holding its namespace would keep a dead sandbox alive, and the informer path could
@@ -610,6 +636,9 @@ impl Mesh {
             .clone()
             .ok_or_else(|| MeshError::NoUid(pod_name.clone()))?;
         let _pod_lock = self.locks.lock(&uid).await;
+        if is_delete {
+            self.last_errors.forget(&uid);
+        }
         for ip in self.probe_ips.with_recorded(&uid, ips) {
             self.probes
                 .remove(ip, &uid)
