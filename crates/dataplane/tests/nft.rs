@@ -509,7 +509,7 @@ fn host_rules_verified_against_flushes_and_foreign_rules() {
     assert!(
         d.missing
             .iter()
-            .any(|l| l.contains("snat ip to 169.254.7.127")),
+            .any(|l| l.contains("snat to 169.254.7.127")),
         "{d}"
     );
     apply_host_rules(&host, &cfg).unwrap();

@@ -279,6 +279,111 @@ async fn an_ambient_add_waits_for_ztunnel_and_fails_closed_without_it() {
     assert_eq!(node.redirection(&alone).await.as_deref(), Some("pending"));
 }
 
+/// containerd runs the `loopback` plugin beside the chain, not before it, so our ambient ADD can
+/// find the pod's `lo` still down, where the kernel refuses the IPv6 local route ("Network is
+/// down"). The ADD must not depend on that order: it enrolls the pod, with both families' routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ambient_add_before_the_loopback_plugin_enrolls_the_pod() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Nftables).await;
+    node.extra_env.push(("AMBIENT_IPV6".into(), "true".into()));
+    node.stop_agent();
+    node.start_agent();
+    let peer = fast_peer(&node);
+    node.wait_ready().await;
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let mut pod = node.create_pod_object("mesh", "early", &[]).await;
+    pod.netns.exec("ip", &["link", "set", "lo", "down"]);
+    node.sandbox_add(&mut pod)
+        .await
+        .unwrap_or_else(|e| panic!("ambient ADD with lo down failed: {e}\n{}", node.agent_log()));
+    wait_peer_has(&peer, &pod.uid, true).await;
+    node.wait_redirection(&pod, Some("enabled")).await;
+    assert_pod_redirected_by(&pod, Backend::Nftables);
+    let lo = pod.netns.exec("ip", &["link", "show", "lo"]);
+    assert!(lo.contains(",UP"), "lo left down: {lo}");
+    let v6 = pod
+        .netns
+        .exec("ip", &["-6", "route", "show", "table", "100"]);
+    assert!(
+        v6.contains("local default dev lo"),
+        "no IPv6 local route: {v6}"
+    );
+}
+
+/// A firewall reload or a tuning daemon flushing the host's nat rules and probe sets (each
+/// backend's way): within a drift interval the probe SNAT rule and every enrolled pod's probe
+/// entry are back, counted as a host repair, and the agent stays ready.
+async fn host_flush_is_repaired(backend: Backend) {
+    let node = TestNode::start(backend).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let (pod, result) = node.create_pod("mesh", "probed", &[]).await;
+    result.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    node.wait_redirection(&pod, Some("enabled")).await;
+    let ip = pod.ip.expect("pod IP").to_string();
+    let host = &node.node_netns;
+    let state = || match backend {
+        Backend::Iptables => format!(
+            "{}{}",
+            iptables_rules(host),
+            host.exec("ipset", &["list", "istio-inpod-probes-v4"])
+        ),
+        Backend::Nftables => host.exec("nft", &["list", "ruleset"]),
+    };
+    let repaired = |s: &str| s.contains("169.254.7.127") && s.contains(&ip);
+    assert!(
+        repaired(&state()),
+        "not in place before the flush:\n{}",
+        state()
+    );
+
+    match backend {
+        Backend::Iptables => {
+            for tool in ["iptables-nft", "iptables-legacy"] {
+                host.exec(tool, &["-t", "nat", "-F"]);
+            }
+            host.exec("ipset", &["flush"]);
+        }
+        Backend::Nftables => {
+            host.exec("nft", &["flush", "ruleset"]);
+        }
+    }
+
+    // The flush may take two checks to repair (rules at one, entries at the next).
+    let name = match backend {
+        Backend::Iptables => "iptables",
+        Backend::Nftables => "nftables",
+    };
+    let series = format!("istio_cni_drift_repairs_total{{backend=\"{name}\",scope=\"host\"}} ");
+    let counted = |m: &str| {
+        m.lines()
+            .filter_map(|l| l.strip_prefix(&series)?.parse::<u64>().ok())
+            .any(|n| n >= 1)
+    };
+    let metrics = metrics_once(&node, |m| counted(m) && repaired(&state())).await;
+    assert!(counted(&metrics), "no host repair counted:\n{metrics}");
+    assert!(repaired(&state()), "not repaired:\n{}", state());
+    assert_eq!(node.readyz().map(|(code, _)| code), Some(200));
+    let log = node.agent_log();
+    assert!(
+        log.contains("host probe rules drifted; re-applied"),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_flush_is_repaired_iptables() {
+    dataplane::require_root!();
+    host_flush_is_repaired(Backend::Iptables).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_flush_is_repaired_nftables() {
+    dataplane::require_root!();
+    host_flush_is_repaired(Backend::Nftables).await;
+}
+
 type PluginAdd = std::thread::JoinHandle<Result<Option<serde_json::Value>, String>>;
 
 /// Our plugin's part of the chain for `pod` (after the primary plugins' `prev`), on a thread as
@@ -429,12 +534,12 @@ async fn a_restart_repairs_rules_that_drifted_while_no_agent_ran() {
     assert_eq!(rules(&own), own_rules, "{log}");
     assert!(
         node.metrics()
-            .contains("istio_cni_drift_repairs_total{backend=\"iptables\"} 1"),
+            .contains("istio_cni_drift_repairs_total{backend=\"iptables\",scope=\"pod\"} 1"),
         "{}",
         node.metrics()
     );
     assert!(
-        log.contains("hinted namespaces checked namespaces=2"),
+        log.contains("hinted namespaces checked\tnamespaces=2"),
         "{log}"
     );
 }
@@ -563,7 +668,7 @@ async fn drifted_rules_are_repaired_and_explained() {
     );
     // The repair is counted just after its rules are written: on a loaded machine the rules can
     // be seen first.
-    let counted = "istio_cni_drift_repairs_total{backend=\"iptables\"}";
+    let counted = "istio_cni_drift_repairs_total{backend=\"iptables\",scope=\"pod\"}";
     let metrics = metrics_once(&node, |m| m.contains(counted)).await;
     assert!(metrics.contains(&format!("{counted} 1\n")), "{metrics}");
 
