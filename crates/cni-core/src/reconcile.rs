@@ -114,7 +114,7 @@ pub enum Action {
     /// The pod finished: remove it from the mesh with the *previous* object's IPs (a terminal status
     /// may carry none; kubernetes#125370). No in-pod rule removal: its netns is going away.
     RemoveTerminated,
-    /// The pod's IPs changed while enrolled: upsert them into the host probe set.
+    /// The pod's IPs changed while enrolled: the new ones go into the host probe set, the old ones out.
     SyncProbeIps,
     /// No longer selected: remove the rules from the running pod, tell ztunnel, clear the annotation.
     Remove,

@@ -384,6 +384,48 @@ async fn host_flush_is_repaired_nftables() {
     host_flush_is_repaired(Backend::Nftables).await;
 }
 
+/// An enrolled pod whose IP changes from one address to another with no empty step between:
+/// the host probe set follows it (the new address in, the old one out), so kubelet's probes keep
+/// being SNATed and no later owner of the old address inherits the SNAT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_whose_ip_changes_moves_its_probe_entry() {
+    dataplane::require_root!();
+    let node = TestNode::start(Backend::Nftables).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let (mut pod, result) = node.create_pod("mesh", "moved", &[]).await;
+    result.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    node.wait_redirection(&pod, Some("enabled")).await;
+    let set = || {
+        node.node_netns.exec(
+            "nft",
+            &[
+                "list",
+                "set",
+                "inet",
+                "istio-ambient-nat",
+                "istio-inpod-probes-v4",
+            ],
+        )
+    };
+    let old = format!("{} ", pod.ip.expect("pod IP"));
+    assert!(set().contains(&old), "{}", set());
+
+    let new = "10.250.0.7 ";
+    let moved = serde_json::json!({"ips": [{"address": "10.250.0.7/32"}]});
+    node.report_running(&mut pod, &moved).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !(set().contains(new) && !set().contains(&old)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the probe set did not follow the IP change:\n{}\n{}",
+            set(),
+            node.agent_log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 type PluginAdd = std::thread::JoinHandle<Result<Option<serde_json::Value>, String>>;
 
 /// Our plugin's part of the chain for `pod` (after the primary plugins' `prev`), on a thread as

@@ -228,6 +228,12 @@ impl ProbeIps {
         self.0.lock().unwrap().remove(uid);
     }
 
+    fn drop_ip(&self, uid: &str, ip: IpAddr) {
+        if let Some(ips) = self.0.lock().unwrap().get_mut(uid) {
+            ips.remove(&ip);
+        }
+    }
+
     /// Every recorded (IP, pod UID).
     fn entries(&self) -> Vec<(IpAddr, String)> {
         let m = self.0.lock().unwrap();
@@ -530,6 +536,37 @@ impl Mesh {
             });
         }
         Ok((resolved, applied, Instant::now()))
+    }
+
+    /// The IPs of an enrolled pod changed, with no empty step between (an address reassigned, a
+    /// sandbox replaced under the same pod): the new ones go into the host probe set and the
+    /// ones the pod no longer has come out (only where still tagged with this pod), so kubelet's
+    /// probes follow the pod and no other pod inherits its SNAT.
+    pub async fn sync_probe_ips(
+        &self,
+        pod: &CachedPod,
+        uid: &str,
+        ips: &[IpAddr],
+    ) -> Result<(), MeshError> {
+        let _pod_lock = self.locks.lock(uid).await;
+        let current: HashSet<IpAddr> = ips.iter().map(|ip| ip.to_canonical()).collect();
+        let gone: Vec<IpAddr> = self
+            .probe_ips
+            .with_recorded(uid, &[])
+            .into_iter()
+            .filter(|ip| !current.contains(ip))
+            .collect();
+        self.upsert_probe_ips(pod, uid, ips).await?;
+        for ip in gone {
+            self.probes
+                .remove(ip, uid)
+                .map_err(|source| MeshError::ProbeSet {
+                    pod: name(pod),
+                    source,
+                })?;
+            self.probe_ips.drop_ip(uid, ip);
+        }
+        Ok(())
     }
 
     /// Adds the pod's IPs to the host probe set.

@@ -254,9 +254,7 @@ impl Reconciler {
                         }
                         Action::SyncProbeIps => {
                             let uid = current.metadata.uid.clone().unwrap_or_default();
-                            self.mesh
-                                .upsert_probe_ips(&current, &uid, &cur_f.ips)
-                                .await?;
+                            self.mesh.sync_probe_ips(&current, &uid, &cur_f.ips).await?;
                         }
                         Action::Remove => self.mesh.remove(&current, &cur_f.ips, false).await?,
                         Action::Add => match self.mesh.add(&current, &cur_f.ips, None).await {
