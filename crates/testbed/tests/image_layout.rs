@@ -1,13 +1,14 @@
-//! The `Dockerfile`'s image and the engine-free one `scripts/node-images` builds (its
-//! `install-cni` image) must be the same image: read from the two files, they must put our
-//! binaries at the same paths, start the same way (entrypoint, working directory, `PATH`), and
-//! carry the same Debian netfilter packages. The Dockerfile installs whole packages; node-images
-//! packs their binaries (with their links, modules and libraries), so each binary it packs must
-//! belong to a package the Dockerfile installs, and each package must provide one of them. The
-//! stage the final image copies from must run on the builder's platform (`FROM
-//! --platform=$BUILDPLATFORM`), so a multi-arch build cross-compiles instead of running under QEMU.
+//! The `Dockerfile`'s image and the engine-free one (`scripts/node-images` and `scripts/release`
+//! build it with the arguments `agent_image_args` of `scripts/lib/agent-image.sh` prints) must be
+//! the same image: they must put our binaries at the same paths, start the same way (entrypoint,
+//! working directory, `PATH`), and carry the same Debian netfilter packages. The Dockerfile
+//! installs whole packages; the engine-free image packs their binaries (with their links,
+//! modules and libraries), so each binary it packs must belong to a package the Dockerfile
+//! installs, and each package must provide one of them. The stage the final image copies from
+//! must run on the builder's platform (`FROM --platform=$BUILDPLATFORM`), so a multi-arch build
+//! cross-compiles instead of running under QEMU.
 //!
-//! Needs `dpkg` and Debian's iptables, ipset and nftables installed (`scripts/setup`).
+//! Needs bash, `dpkg` and Debian's iptables, ipset and nftables installed (`scripts/setup`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
@@ -158,81 +159,68 @@ fn parse_dockerfile(text: &str) -> Dockerfile {
     }
 }
 
-/// The `install-cni` image of scripts/node-images: the options of its oci-archive command, and
-/// the binaries its `netfilter_tools` packs.
-struct NodeImage {
+/// The engine-free agent image, as its oci-archive arguments say.
+struct EngineFree {
     layout: Layout,
+    /// The `/usr/sbin` binaries it packs.
     netfilter_bins: Vec<String>,
 }
 
-fn parse_node_images(text: &str) -> NodeImage {
-    let lines = logical_lines(text);
-    let arm = lines
-        .iter()
-        .position(|l| l == "install-cni)")
-        .expect("scripts/node-images: no `install-cni)` case");
-    let end = arm
-        + lines[arm..]
-            .iter()
-            .position(|l| l == ";;")
-            .expect("scripts/node-images: the install-cni case has no `;;`");
-    let command = lines[arm..end]
-        .iter()
-        .find(|l| l.starts_with("\"$tool\""))
-        .expect("scripts/node-images: the install-cni case runs no \"$tool\"");
-    let words = shell_words(command);
+/// Where [`engine_free_image`] says our binaries are: they are not built here.
+const BINDIR: &str = "/our-binaries";
+
+/// The arguments `agent_image_args` prints for this machine's netfilter tools, with its checks
+/// that our binaries are static and packed replaced (there are none at [`BINDIR`]).
+fn engine_free_image() -> EngineFree {
+    let script = format!(
+        "set -euo pipefail; me=image_layout; source scripts/lib/agent-image.sh; \
+         static() {{ :; }}; packed() {{ :; }}; \
+         agent_image_args {BINDIR} '' \"$(uname -m)-linux-gnu\""
+    );
+    let out = Command::new("bash")
+        .args(["-c", &script])
+        .current_dir(repo_file(""))
+        .output()
+        .expect("run bash");
+    assert!(
+        out.status.success(),
+        "agent_image_args (scripts/lib/agent-image.sh) failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    parse_archive_args(&String::from_utf8(out.stdout).unwrap())
+}
+
+/// oci-archive arguments, one a line.
+fn parse_archive_args(text: &str) -> EngineFree {
+    let words: Vec<&str> = text.lines().collect();
     let mut layout = Layout::default();
-    let mut netfilter = false;
-    let mut i = 1;
-    while i < words.len() {
-        let (opt, val) = (words[i].as_str(), words.get(i + 1).map(String::as_str));
-        match (opt, val) {
-            ("--file", Some(v)) => {
-                let (dest, src) = v.split_once('=').expect("--file DEST=SRC");
-                if src.starts_with("$bindir/") {
+    let mut netfilter_bins = Vec::new();
+    for pair in words.chunks(2) {
+        let [opt, val] = pair else {
+            panic!("agent_image_args: option {pair:?} has no value")
+        };
+        match *opt {
+            "--file" => {
+                let (dest, src) = val.split_once('=').expect("--file DEST=SRC");
+                if src.starts_with(&format!("{BINDIR}/")) {
                     layout.ours.insert(dest.to_string());
+                } else if dest.starts_with("/usr/sbin/") {
+                    netfilter_bins.push(dest.to_string());
                 }
             }
-            ("--env", Some(v)) => {
-                let (k, v) = v.split_once('=').expect("--env KEY=value");
+            "--env" => {
+                let (k, v) = val.split_once('=').expect("--env KEY=value");
                 layout.env.insert(k.to_string(), v.to_string());
             }
-            ("--workdir", Some(v)) => layout.workdir = Some(v.to_string()),
-            ("--entrypoint", Some(v)) => {
-                layout.entrypoint = Some(serde_json::from_str(v).expect("--entrypoint JSON"))
+            "--workdir" => layout.workdir = Some(val.to_string()),
+            "--entrypoint" => {
+                layout.entrypoint = Some(serde_json::from_str(val).expect("--entrypoint JSON"))
             }
-            ("${nf[@]}", _) => {
-                netfilter = true;
-                i += 1;
-                continue;
-            }
-            _ => {
-                i += 1;
-                continue;
-            }
+            "--symlink" | "--dir" => {}
+            other => panic!("agent_image_args: unknown option {other}"),
         }
-        i += 2;
     }
-    assert!(
-        netfilter,
-        "scripts/node-images: the install-cni image does not pack the netfilter tools"
-    );
-    let sbin = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("local sbin="))
-        .and_then(|l| l.split_whitespace().next())
-        .expect("scripts/node-images: netfilter_tools sets no `local sbin=`")
-        .to_string();
-    let bins = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("local -a bins=("))
-        .and_then(|l| l.strip_suffix(')'))
-        .expect("scripts/node-images: netfilter_tools has no `local -a bins=(...)`");
-    let netfilter_bins = shell_words(bins)
-        .iter()
-        .map(|b| b.replace("$sbin", &sbin))
-        .collect();
-    NodeImage {
+    EngineFree {
         layout,
         netfilter_bins,
     }
@@ -261,7 +249,7 @@ fn dockerfile_image_is_the_engine_free_image() {
     let read =
         |p: &str| std::fs::read_to_string(repo_file(p)).unwrap_or_else(|e| panic!("{p}: {e}"));
     let docker = parse_dockerfile(&read("Dockerfile"));
-    let node = parse_node_images(&read("scripts/node-images"));
+    let node = engine_free_image();
 
     assert!(
         docker.build_stage_on_build_platform,
@@ -284,7 +272,7 @@ fn dockerfile_image_is_the_engine_free_image() {
     assert_eq!(
         docker.packages, from_node_images,
         "the Debian packages the Dockerfile installs (left) and those owning the netfilter \
-         binaries node-images packs, {:?} (right)",
+         binaries the engine-free image packs, {:?} (right)",
         node.netfilter_bins
     );
 }
@@ -307,19 +295,12 @@ fn the_parsers_see_a_different_image() {
         d.packages,
         BTreeSet::from(["a".to_string(), "b".to_string()])
     );
-    let node = "build() {\n\
-                local sbin=/usr/sbin arch\n\
-                local -a bins=(\"$sbin/a\" \"$sbin/b\")\n\
-                case x in\n\
-                  install-cni)\n\
-                    \"$tool\" --ref r --out o \\\n\
-                      --file /usr/local/bin/x=\"$bindir/x\" \"${nf[@]}\" --dir /tmp=1777 \\\n\
-                      --env PATH=/bin:/usr/bin --workdir /w --entrypoint '[\"x\"]'\n\
-                    ;;\n\
-                esac\n}\n";
-    let n = parse_node_images(node);
+    let args = "--file\n/usr/local/bin/x=/our-binaries/x\n--file\n/usr/sbin/a=/usr/sbin/a\n\
+                --symlink\n/usr/sbin/b=a\n--dir\n/tmp=1777\n--env\nPATH=/bin:/usr/bin\n\
+                --workdir\n/w\n--entrypoint\n[\"x\"]\n";
+    let n = parse_archive_args(args);
     assert_eq!(d.layout, n.layout);
-    assert_eq!(n.netfilter_bins, ["/usr/sbin/a", "/usr/sbin/b"]);
+    assert_eq!(n.netfilter_bins, ["/usr/sbin/a"]);
 
     let other = parse_dockerfile(&good.replace("ENTRYPOINT [\"x\"]", "ENTRYPOINT [\"y\"]"));
     assert_ne!(other.layout, n.layout);
