@@ -394,6 +394,28 @@ fn apparmor_is_the_annotation_or_the_field_by_kubernetes_version() {
     assert_eq!(field(&r), json!({"type": "Unconfined"}));
 }
 
+/// Istio's chart after the pin (1.31.0) gained annotations on the DaemonSet object itself; a
+/// chart pinned in GitOps with them set must render them, and nothing changes without them.
+#[test]
+fn daemonset_annotations_land_on_the_daemonset_object_only() {
+    let default = Rendered::set(&[]);
+    let ds = |r: &Rendered| r.object("DaemonSet", "istio-cni-node").expect("DaemonSet");
+    assert_eq!(ds(&default)["metadata"]["annotations"], Value::Null);
+    // As with Istio's chart, annotation values are strings: `--set-string`.
+    let r = Rendered::with(
+        &[],
+        &[
+            "--set-string",
+            "daemonSetAnnotations.pulumi\\.com/skipAwait=true",
+        ],
+    );
+    assert_eq!(
+        ds(&r)["metadata"]["annotations"],
+        json!({"pulumi.com/skipAwait": "true"})
+    );
+    assert_eq!(r.pod(), default.pod(), "the pods' template must not change");
+}
+
 #[test]
 fn unknown_values_are_ignored_as_istio_ignores_them() {
     let default = Rendered::set(&[]);
