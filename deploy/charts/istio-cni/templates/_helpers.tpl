@@ -93,7 +93,7 @@ release: {{ .root.Release.Name | quote }}
 {{/*
 The image, as Istio's chart names it: `image` verbatim when it contains a `/`, else
 <hub>/<image>:<tag>[-<variant>], the variant being `variant`, else `global.variant` (Istio's
-ambient profile sets `distroless`; a release is published under those tags too). The tag is
+ambient profile sets `distroless`; a release is published under that tag too). The tag is
 `tag`, `global.tag`, else the chart's appVersion.
 */}}
 {{- define "istio-cni.image" -}}
