@@ -412,10 +412,14 @@ async fn a_pod_whose_ip_changes_moves_its_probe_entry() {
     assert!(set().contains(&old), "{}", set());
 
     let new = "10.250.0.7 ";
-    let moved = serde_json::json!({"ips": [{"address": "10.250.0.7/32"}]});
-    node.report_running(&mut pod, &moved).await;
+    let result = serde_json::json!({"ips": [{"address": "10.250.0.7/32"}]});
+    node.report_running(&mut pod, &result).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !(set().contains(new) && !set().contains(&old)) {
+    let moved = || {
+        let now = set();
+        now.contains(new) && !now.contains(&old)
+    };
+    while !moved() {
         assert!(
             std::time::Instant::now() < deadline,
             "the probe set did not follow the IP change:\n{}\n{}",
