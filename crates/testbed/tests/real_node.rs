@@ -135,6 +135,33 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     assert!(w.contains_key(&server) && w.contains_key(&client), "{w:?}");
     assert!(!w.contains_key(&plain), "{w:?}");
 
+    // An operator's one command from a workstation: the kubectl plugin finds the pod's node, the
+    // agent there, and asks it (kubectl exec through the API server and kubelet).
+    let plugin = repo_path("tools/kubectl-plugin/kubectl-istio_cni-explain");
+    let text = node.node(1).exec(&[&plugin, "mesh/server"]);
+    assert!(text.contains("meshed:      yes\n"), "{text}");
+    let listed: Value = serde_json::from_str(
+        &node
+            .node(1)
+            .exec(&[&plugin, "--node", NODE_NAME, "-o", "json"]),
+    )
+    .unwrap();
+    let meshed: BTreeMap<&str, bool> = listed["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["pod"].as_str().unwrap(), p["meshed"].as_bool().unwrap()))
+        .collect();
+    assert_eq!(
+        (
+            meshed.get("mesh/server"),
+            meshed.get("mesh/client"),
+            meshed.get("plain/plain")
+        ),
+        (Some(&true), Some(&true), Some(&false)),
+        "{listed}"
+    );
+
     // App traffic through the peer: kubectl exec (API server → kubelet → containerd), then the
     // client's outbound through its 15001 and the server's inbound through its 15006.
     let ip = server_pod.status.unwrap().pod_ip.unwrap();
