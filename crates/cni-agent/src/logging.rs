@@ -431,6 +431,11 @@ impl IstioLog {
         level != Level::None && level <= level_in(&self.levels, scope)
     }
 
+    fn wanted(&self, meta: &Metadata<'_>) -> bool {
+        meta.is_event()
+            && Level::of(meta.level()).is_some_and(|l| self.enabled(scope_of(meta.target()), l))
+    }
+
     fn write(&self, record: &Record<'_>) {
         let line = if self.json {
             record.json()
@@ -513,18 +518,17 @@ impl Visit for Fields {
 
 impl<S: Subscriber> Layer<S> for IstioLog {
     fn register_callsite(&self, meta: &'static Metadata<'static>) -> Interest {
-        // Levels are fixed for the process, so each call site is decided once.
-        match Level::of(meta.level()) {
-            Some(l) if !meta.is_event() || self.enabled(scope_of(meta.target()), l) => {
-                Interest::always()
-            }
-            _ => Interest::never(),
+        // Levels are fixed for the process, so each call site is decided once. Spans (the kube
+        // client's) carry nothing Istio's format shows: none is recorded.
+        if self.wanted(meta) {
+            Interest::always()
+        } else {
+            Interest::never()
         }
     }
 
     fn enabled(&self, meta: &Metadata<'_>, _: Context<'_, S>) -> bool {
-        !meta.is_event()
-            || Level::of(meta.level()).is_some_and(|l| self.enabled(scope_of(meta.target()), l))
+        self.wanted(meta)
     }
 
     fn max_level_hint(&self) -> Option<LevelFilter> {
