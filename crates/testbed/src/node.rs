@@ -398,7 +398,13 @@ impl TestNode {
             .open(self.path("agent.log"))
             .unwrap();
         self.agent_log_start = log.metadata().unwrap().len();
-        let level = std::env::var("AGENT_LOG_LEVEL").unwrap_or_else(|_| "info".into());
+        // `AGENT_LOG_LEVEL=debug` means every scope: a bare level sets only `default` in Istio's
+        // flag syntax, and the agent logs under `cni-agent`.
+        let level = match std::env::var("AGENT_LOG_LEVEL") {
+            Ok(l) if !l.contains(':') => format!("all:{l}"),
+            Ok(l) => l,
+            Err(_) => "info".into(),
+        };
         // `AGENT_WRAPPER="heaptrack -o /tmp/agent"` (or perf, valgrind...) runs the agent under a
         // profiler; memory readings are then the wrapper's.
         let mut command = match &self.agent_kind {
