@@ -70,12 +70,22 @@ pub fn host_arch() -> &'static str {
 pub fn check_reference(reference: &str) -> Result<(), ImageError> {
     let bad = || ImageError::BadReference(reference.into());
     let (name, tag) = reference.rsplit_once(':').ok_or_else(bad)?;
-    let name_ok = !name.is_empty()
-        && name.split('/').all(|c| {
-            !c.is_empty()
-                && c.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
-        });
+    let component = |c: &str| {
+        !c.is_empty()
+            && c.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+    };
+    // The first of several components may be a registry with a port (`127.0.0.1:5000/x`).
+    let mut parts = name.split('/');
+    let first = parts.next().unwrap_or_default();
+    let first_ok = match first.split_once(':') {
+        Some((host, port)) if name.contains('/') => {
+            component(host) && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+        }
+        Some(_) => false,
+        None => component(first),
+    };
+    let name_ok = first_ok && parts.all(component);
     let tag_ok = !tag.is_empty()
         && tag.len() <= 128
         && tag
@@ -443,8 +453,8 @@ mod tests {
         let annotations: BTreeMap<String, String> =
             [("org.opencontainers.image.revision".into(), "abc".into())].into();
         let refs = [
-            "example.org/x/agent:1.2.3",
-            "example.org/x/agent:1.2.3-distroless",
+            "127.0.0.1:5000/x/agent:1.2.3",
+            "127.0.0.1:5000/x/agent:1.2.3-distroless",
         ];
         let (tar, digest) = index_archive(&refs, &inputs, &annotations).unwrap();
         let files = tar::read_files(&tar).unwrap();
@@ -554,6 +564,9 @@ mod tests {
             "x:",
             "x:a/b",
             "x y:dev",
+            "127.0.0.1:5000:dev",
+            "127.0.0.1:/x:dev",
+            "127.0.0.1:50a/x:dev",
         ] {
             assert_eq!(
                 archive(bad, &Tree::new(), &Config::default()).unwrap_err(),
