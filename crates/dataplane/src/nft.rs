@@ -5,6 +5,7 @@
 //! our tables inside the same batch: idempotent, and it also replaces whatever drifted in them.
 //! The socket is opened inside the pod namespace on a [`Netns::run`] thread and used only there.
 
+mod bytes;
 mod expr;
 pub mod generations;
 pub mod host;

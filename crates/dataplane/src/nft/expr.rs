@@ -18,6 +18,7 @@ use netlink_packet_core::DefaultNla;
 
 use smallvec::smallvec;
 
+use super::bytes::{str_of, string_of};
 use crate::netlink::Nlas;
 use netlink_packet_netfilter::nftables::{
     Bitwise, Cmp, DataAttribute, ExpressionAttribute, Expressions, Immediate, ListAttribute,
@@ -867,7 +868,7 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
             xor: data_value(a.get(NFTA_BITWISE_XOR)?)?,
         },
         "lookup" => Low::Lookup {
-            set: super::wire::string_of(a.get(NFTA_LOOKUP_SET)?),
+            set: string_of(a.get(NFTA_LOOKUP_SET)?),
         },
         "immediate" => {
             let data = Nlas::parse(a.get(NFTA_IMMEDIATE_DATA)?)?;
@@ -875,7 +876,7 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
                 let v = Nlas::parse(data.get(NFTA_DATA_VERDICT)?)?;
                 Low::Verdict {
                     code: v.get_u32_be(NFTA_VERDICT_CODE)?,
-                    chain: v.get(NFTA_VERDICT_CHAIN).map(super::wire::string_of),
+                    chain: v.get(NFTA_VERDICT_CHAIN).map(string_of),
                 }
             } else {
                 Low::Immediate {
@@ -909,7 +910,7 @@ fn low_from_attrs(name: &str, a: Nlas<'_>) -> Option<Low> {
 fn low_from_elem(elem: &[u8]) -> Low {
     let attrs = Nlas::parse(elem).unwrap_or_default();
     // Borrowed: the name is only matched on, and kept only for an expression not understood.
-    let name = attrs.get(NFTA_EXPR_NAME).map_or("?", super::wire::str_of);
+    let name = attrs.get(NFTA_EXPR_NAME).map_or("?", str_of);
     attrs
         .get(NFTA_EXPR_DATA)
         .and_then(Nlas::parse)

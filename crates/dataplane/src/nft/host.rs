@@ -16,9 +16,8 @@ use netlink_packet_netfilter::nftables::{
     SetElementMessage,
 };
 
-use super::wire::{
-    Batch, change, find_tlv, nul_terminated, push_tlv, read_set_elements, read_tables, string_of,
-};
+use super::bytes::{find_tlv, nul_terminated, push_tlv, string_of};
+use super::wire::{Batch, change, read_set_elements, read_tables};
 use super::{NftAccess, NftError, with_socket};
 use crate::inpod::RuleState;
 use crate::netlink::{NetlinkError, NetlinkSocket};
