@@ -9,7 +9,8 @@ use cni_core::redirect::iptables::{Family, Rule, restore_text};
 use cni_core::redirect::nft::diff as nft_diff;
 use cni_core::redirect::sidecar::nft as sidecar_nft;
 use cni_core::redirect::sidecar::{
-    InterceptionMode, SidecarConfig, TPROXY_MARK, TPROXY_ROUTE_TABLE, families, iptables_rules,
+    INBOUND_TPROXY_MARK, InterceptionMode, SidecarConfig, TPROXY_ROUTE_TABLE, families,
+    iptables_rules,
 };
 
 use crate::inpod::RuleState;
@@ -22,7 +23,7 @@ use crate::routes::{self, Policy, RouteError};
 /// below the first non-zero one, 32765 in a fresh namespace; we set it so re-adds are detected.
 pub const TPROXY_POLICY: Policy = Policy {
     table: TPROXY_ROUTE_TABLE,
-    mark: TPROXY_MARK,
+    mark: INBOUND_TPROXY_MARK,
     mask: 0xffff_ffff,
     priority: 32765,
 };

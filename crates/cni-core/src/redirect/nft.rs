@@ -39,7 +39,8 @@ const LOOPBACK_V6: Prefix = Prefix {
 };
 /// `ct mark set ct mark & KEEP | 0x111`: keeps the connmark bits outside our mask.
 const CT_MARK_KEEP: u32 = !consts::MARK_MASK;
-const DNS_PORT: u16 = 53;
+/// Where pods send DNS (the port ztunnel's DNS proxy captures), not the proxy's own port.
+const DNS_SERVER_PORT: u16 = 53;
 
 /// Conntrack state bits (`NF_CT_STATE_*_BIT`), in the order `nft` prints them.
 pub mod ct_state {
@@ -776,7 +777,7 @@ pub fn inpod_ruleset(cfg: &InpodConfig) -> Ruleset {
                     proto: L4Proto::Udp,
                     field: PortField::Dport,
                     op: CmpOp::Eq,
-                    port: DNS_PORT,
+                    port: DNS_SERVER_PORT,
                 },
                 E::Counter,
                 dns_redirect.clone(),
@@ -791,7 +792,7 @@ pub fn inpod_ruleset(cfg: &InpodConfig) -> Ruleset {
                         proto: L4Proto::Tcp,
                         field: PortField::Dport,
                         op: CmpOp::Eq,
-                        port: DNS_PORT,
+                        port: DNS_SERVER_PORT,
                     },
                     not_ztunnel(),
                     E::Counter,
@@ -808,7 +809,7 @@ pub fn inpod_ruleset(cfg: &InpodConfig) -> Ruleset {
                     proto: L4Proto::Udp,
                     field: PortField::Dport,
                     op: CmpOp::Eq,
-                    port: DNS_PORT,
+                    port: DNS_SERVER_PORT,
                 },
                 mark(CmpOp::Eq, consts::ZTUNNEL_MARK),
                 E::Counter,
@@ -822,7 +823,7 @@ pub fn inpod_ruleset(cfg: &InpodConfig) -> Ruleset {
                     proto: L4Proto::Udp,
                     field: PortField::Sport,
                     op: CmpOp::Eq,
-                    port: DNS_PORT,
+                    port: DNS_SERVER_PORT,
                 },
                 not_ztunnel(),
                 E::Counter,

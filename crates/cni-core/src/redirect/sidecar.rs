@@ -46,9 +46,9 @@ pub const DEFAULT_PROXY_ID: u32 = 1337;
 pub const OUTBOUND_PORT: u16 = 15001;
 pub const INBOUND_PORT: u16 = 15006;
 pub const TUNNEL_PORT: u16 = 15008;
-pub const DNS_PORT: u16 = 15053;
+pub const DNS_PROXY_PORT: u16 = 15053;
 /// Packet mark TPROXY'd inbound connections carry, and the policy-routing table it selects.
-pub const TPROXY_MARK: u32 = 1337;
+pub const INBOUND_TPROXY_MARK: u32 = 1337;
 pub const TPROXY_ROUTE_TABLE: u32 = 133;
 /// Mark the proxy's own loopback connections to the app get in TPROXY mode.
 const OUTBOUND_MARK: u32 = 1338;
@@ -828,7 +828,7 @@ fn inbound(b: &mut Builder, cfg: &SidecarConfig) {
         b.add(
             "mangle",
             ISTIO_DIVERT,
-            format!("-j MARK --set-mark {TPROXY_MARK}"),
+            format!("-j MARK --set-mark {INBOUND_TPROXY_MARK}"),
         );
         b.add("mangle", ISTIO_DIVERT, "-j ACCEPT".into());
         let lo = b.lo();
@@ -836,7 +836,7 @@ fn inbound(b: &mut Builder, cfg: &SidecarConfig) {
             "mangle",
             ISTIO_TPROXY,
             format!(
-                "! -d {lo} -p tcp -j TPROXY --tproxy-mark {TPROXY_MARK}/0xffffffff --on-port {INBOUND_PORT}"
+                "! -d {lo} -p tcp -j TPROXY --tproxy-mark {INBOUND_TPROXY_MARK}/0xffffffff --on-port {INBOUND_PORT}"
             ),
         );
         "mangle"
@@ -902,12 +902,12 @@ fn dns(b: &mut Builder, cfg: &SidecarConfig) {
     b.add(
         "nat",
         ISTIO_OUTPUT_DNS,
-        format!("-p tcp --dport 53 -j REDIRECT --to-ports {DNS_PORT}"),
+        format!("-p tcp --dport 53 -j REDIRECT --to-ports {DNS_PROXY_PORT}"),
     );
     b.add(
         "nat",
         ISTIO_OUTPUT_DNS,
-        format!("-p udp --dport 53 -j REDIRECT --to-port {DNS_PORT}"),
+        format!("-p udp --dport 53 -j REDIRECT --to-port {DNS_PROXY_PORT}"),
     );
     // The proxy's upstream queries and its answers to the app get separate conntrack zones, so
     // the two legs of one lookup never share (and clash on) a conntrack entry.
@@ -920,7 +920,7 @@ fn dns(b: &mut Builder, cfg: &SidecarConfig) {
         b.add(
             "raw",
             ISTIO_OUTPUT_DNS,
-            format!("-p udp --sport {DNS_PORT} -m owner {flag} {id} -j CT --zone 2"),
+            format!("-p udp --sport {DNS_PROXY_PORT} -m owner {flag} {id} -j CT --zone 2"),
         );
     }
     b.add("raw", "PREROUTING", format!("-j {ISTIO_INBOUND}"));
@@ -941,12 +941,12 @@ fn tproxy_tail(b: &mut Builder, cfg: &SidecarConfig) {
     b.add(
         "mangle",
         "PREROUTING",
-        format!("-p tcp -m mark --mark {TPROXY_MARK} -j CONNMARK --save-mark"),
+        format!("-p tcp -m mark --mark {INBOUND_TPROXY_MARK} -j CONNMARK --save-mark"),
     );
     b.add(
         "mangle",
         "OUTPUT",
-        format!("-p tcp -o lo -m mark --mark {TPROXY_MARK} -j RETURN"),
+        format!("-p tcp -o lo -m mark --mark {INBOUND_TPROXY_MARK} -j RETURN"),
     );
     for (flag, id) in [
         ("--uid-owner", cfg.proxy_uid),
@@ -963,13 +963,13 @@ fn tproxy_tail(b: &mut Builder, cfg: &SidecarConfig) {
     b.add(
         "mangle",
         "OUTPUT",
-        format!("-p tcp -m connmark --mark {TPROXY_MARK} -j CONNMARK --restore-mark"),
+        format!("-p tcp -m connmark --mark {INBOUND_TPROXY_MARK} -j CONNMARK --restore-mark"),
     );
     b.insert(
         "mangle",
         ISTIO_INBOUND,
         1,
-        format!("-p tcp -m mark --mark {TPROXY_MARK} -j RETURN"),
+        format!("-p tcp -m mark --mark {INBOUND_TPROXY_MARK} -j RETURN"),
     );
     let passthrough = b.inbound_passthrough();
     b.insert(

@@ -9,8 +9,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::IpNet;
 
 use super::{
-    DNS_PORT, INBOUND_PORT, InterceptionMode, IpRanges, OUTBOUND_PORT, OwnerGroups, Ports,
-    SidecarConfig, TPROXY_MARK, TUNNEL_PORT,
+    DNS_PROXY_PORT, INBOUND_PORT, INBOUND_TPROXY_MARK, InterceptionMode, IpRanges, OUTBOUND_PORT,
+    OwnerGroups, Ports, SidecarConfig, TUNNEL_PORT,
 };
 use crate::redirect::nft::{
     AddrField, Chain, ChainType, CmpOp, Expr, Hook, IfField, L4Proto, PortField, Prefix, Rule,
@@ -270,7 +270,10 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
 
     let capture_inbound = !matches!(&cfg.include_inbound_ports, Ports::List(p) if p.is_empty());
     if capture_inbound && tproxy {
-        mangle.add(DIVERT, vec![Expr::Counter, Expr::MarkSet(TPROXY_MARK)]);
+        mangle.add(
+            DIVERT,
+            vec![Expr::Counter, Expr::MarkSet(INBOUND_TPROXY_MARK)],
+        );
         mangle.add(DIVERT, vec![Expr::Counter, Expr::Verdict(Verdict::Accept)]);
         for (lo, _, v6) in &fams {
             mangle.add(
@@ -282,7 +285,7 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
                         v6: *v6,
                         port: INBOUND_PORT,
                     },
-                    Expr::MarkSet(TPROXY_MARK),
+                    Expr::MarkSet(INBOUND_TPROXY_MARK),
                     Expr::Counter,
                     Expr::Verdict(Verdict::Accept),
                 ],
@@ -398,7 +401,14 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
     if cfg.redirect_dns {
         raw.add(OUTPUT, jump(OUT_DNS));
         nat.add(OUT, jump(OUT_DNS));
-        let to_dns = || vec![Expr::Counter, Expr::Redirect { port: DNS_PORT }];
+        let to_dns = || {
+            vec![
+                Expr::Counter,
+                Expr::Redirect {
+                    port: DNS_PROXY_PORT,
+                },
+            ]
+        };
         nat.add(
             OUT_DNS,
             with(vec![tcp(), dport(L4Proto::Tcp, eq, 53)], to_dns()),
@@ -417,7 +427,7 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
                 OUT_DNS,
                 with(
                     vec![
-                        port(L4Proto::Udp, PortField::Sport, eq, DNS_PORT),
+                        port(L4Proto::Udp, PortField::Sport, eq, DNS_PROXY_PORT),
                         owner(gid, eq, id),
                     ],
                     zone(2),
@@ -485,14 +495,14 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
             PREROUTING,
             vec![
                 tcp(),
-                mark(eq, TPROXY_MARK),
+                mark(eq, INBOUND_TPROXY_MARK),
                 Expr::Counter,
                 Expr::CtMarkSetMark,
             ],
         );
         mangle.add(
             OUTPUT,
-            with(vec![lo_out(), tcp(), mark(eq, TPROXY_MARK)], ret()),
+            with(vec![lo_out(), tcp(), mark(eq, INBOUND_TPROXY_MARK)], ret()),
         );
         for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
             for (lo, _, _) in &fams {
@@ -516,13 +526,17 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
                 Expr::CtMark {
                     mask: u32::MAX,
                     op: eq,
-                    value: TPROXY_MARK,
+                    value: INBOUND_TPROXY_MARK,
                 },
                 Expr::Counter,
                 Expr::MarkSetCtMark,
             ],
         );
-        mangle.insert(INBOUND, 0, with(vec![tcp(), mark(eq, TPROXY_MARK)], ret()));
+        mangle.insert(
+            INBOUND,
+            0,
+            with(vec![tcp(), mark(eq, INBOUND_TPROXY_MARK)], ret()),
+        );
         for (_, passthrough, _) in &fams {
             mangle.insert(
                 INBOUND,
