@@ -14,6 +14,7 @@ pub mod node;
 pub mod pod_proxy;
 pub mod ports;
 pub mod real_node;
+pub mod registry;
 pub mod relay;
 pub mod switch;
 pub mod zds_peer;
