@@ -14,12 +14,12 @@
 use std::time::Duration;
 
 use testbed::migrate::{
-    ISTIO_IMAGE, agent_image, agent_log, helm_cni, install_peer, istio_plugin_binary, node_rules,
-    peer_workloads, pod_rules, redirected_now, wait_peer_has,
+    ISTIO_IMAGE, agent_image, agent_log, helm_cni, helm_cni_with, install_peer,
+    istio_plugin_binary, node_rules, peer_workloads, pod_rules, redirected_now, wait_peer_has,
 };
 use testbed::real_node::{
-    CONFLIST, REDIRECTION, RealNode, annotation, create, get, wait_redirection, wait_running,
-    witness, witness_pod,
+    CONFLIST, GATEWAY, REDIRECTION, RealNode, annotation, create, get, sidecar_pod,
+    wait_redirection, wait_running, witness, witness_pod,
 };
 
 /// The iptables variants: kubelet's (and the node's `iptables`) is nft.
@@ -281,4 +281,153 @@ async fn helm_uninstall_of_istios_chart_first_leaves_a_gap_that_our_install_clos
         "its first connection stays unredirected"
     );
     still_enrolled(&node, "before", &before_uid, &before_rules, "our", false).await;
+}
+
+/// Our agent's image, as `scripts/node-images` tags it.
+const OUR_IMAGE: &str = "localhost/istio-cni-rs/install-cni:dev";
+
+/// Lines of an agent log (Istio's format: time, level, scope, message) at `warn` or above.
+fn loud_lines(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| matches!(l.split('\t').nth(1), Some("warn" | "error" | "fatal")))
+        .collect()
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// `GET /readyz` of the agent (on the node's host network): its body.
+fn readyz(node: &RealNode) -> String {
+    let out = node.try_script(&["exec", "curl", "-s", "http://127.0.0.1:8000/readyz"]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Issue #36: "keep your installer, point the image at ours". Istio's own chart (the `ambient`
+/// profile, its defaults but for the node's paths and host network) with `image=` ours: under
+/// Istio's RBAC (a `get` of its DaemonSet, no list or watch), ours enrolls ambient pods exactly
+/// as Istio's does, redirects a sidecar pod through our plugin, logs nothing at warn or above
+/// and names at start (log and `/readyz`) an Istio setting it cannot honour. `helm upgrade`
+/// from Istio's image to ours, back, and to ours again keeps every pod redirected; `helm
+/// uninstall` then leaves the node's CNI config and host rules as before the install.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn our_image_in_istios_chart_works_quietly_across_image_switches_and_uninstall() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let node = RealNode::up().await;
+    let bare = node.read(CONFLIST).unwrap();
+    let ours = format!("image={OUR_IMAGE}");
+    let ours = ["--set", ours.as_str()];
+
+    helm_cni(&node, "install", true).await;
+    install_peer(&node).await;
+    assert_eq!(agent_image(&node), ISTIO_IMAGE);
+    node.namespace("mesh", true).await;
+    node.namespace("plain", false).await;
+    let (istio_uid, istio_rules) = enrolled_pod(&node, "by-istio", "Istio", Variant::Nft).await;
+
+    // Istio's chart, our image.
+    helm_cni_with(&node, "upgrade", true, &ours).await;
+    assert_eq!(agent_image(&node), OUR_IMAGE);
+    still_enrolled(&node, "by-istio", &istio_uid, &istio_rules, "our", false).await;
+    let (ours_uid, ours_rules) = enrolled_pod(&node, "by-ours", "our", Variant::Nft).await;
+    assert_eq!(
+        ours_rules, istio_rules,
+        "our agent's in-pod rules differ from Istio's"
+    );
+    create(&node, "plain", sidecar_pod("sidecar", GATEWAY)).await;
+    wait_running(&node, "plain", "sidecar").await;
+    // Its app retries for a few seconds (its proxy container starts after it), then prints.
+    let printed = node
+        .eventually(
+            "the sidecar pod's witness",
+            Duration::from_secs(30),
+            || async {
+                let logs = node.kubectl(&["-n", "plain", "logs", "sidecar", "-c", "app"]);
+                logs.lines()
+                    .rfind(|l| *l == "REDIRECTED" || *l == "DIRECT")
+                    .map(str::to_string)
+            },
+        )
+        .await;
+    assert_eq!(
+        printed, "REDIRECTED",
+        "our plugin did not redirect the sidecar pod"
+    );
+    assert_eq!(readyz(&node), "ok\n");
+    let log = agent_log(&node);
+    assert!(
+        loud_lines(&log).is_empty(),
+        "our agent under Istio's chart logged warnings a correct install has not:\n{log}"
+    );
+
+    // Back to Istio's image: its second start on this node flips it to legacy iptables (see
+    // the first test), and every pod stays enrolled.
+    helm_cni(&node, "upgrade", true).await;
+    assert_eq!(agent_image(&node), ISTIO_IMAGE);
+    still_enrolled(&node, "by-istio", &istio_uid, &istio_rules, "Istio", true).await;
+    still_enrolled(&node, "by-ours", &ours_uid, &ours_rules, "Istio", true).await;
+
+    // Ours again, now with a setting it cannot honour (Istio's dry run): named at start, in the
+    // log (its one loud line) and in `/readyz`, and the pods still enrolled.
+    let dry_run = [
+        ours[0],
+        ours[1],
+        "--set",
+        "env.DRY_RUN_FILE_PATH=/tmp/dry-run",
+    ];
+    helm_cni_with(&node, "upgrade", true, &dry_run).await;
+    assert_eq!(agent_image(&node), OUR_IMAGE);
+    for (name, uid) in [("by-istio", &istio_uid), ("by-ours", &ours_uid)] {
+        node.eventually(
+            &format!("{name}'s legacy rules removed by our agent"),
+            Duration::from_secs(60),
+            || async { (!pod_rules(&node, uid).legacy.contains("ISTIO")).then_some(()) },
+        )
+        .await;
+        still_enrolled(&node, name, uid, &istio_rules, "our", false).await;
+    }
+    // The legacy copies Istio's flip left are drift to our agent, repaired at warn: expected on
+    // this node, not from a correct install.
+    let log = agent_log(&node);
+    let loud: Vec<&str> = loud_lines(&log)
+        .into_iter()
+        .filter(|l| !l.contains("(rules of the previous backend, nftables, iptables-legacy)"))
+        .collect();
+    assert!(
+        loud.len() == 1 && loud[0].contains("not honoured: DRY_RUN_FILE_PATH=/tmp/dry-run"),
+        "the dry run named once at start, nothing else loud:\n{log}"
+    );
+    let body = readyz(&node);
+    assert!(
+        body.starts_with("ok\n") && body.contains("not honoured: DRY_RUN_FILE_PATH=/tmp/dry-run"),
+        "{body}"
+    );
+
+    // Uninstall: the agent reads its DaemonSet gone and removes its config entry, plugin and
+    // host rules; running pods keep their own rules.
+    node.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
+    node.eventually(
+        "our agent restored the node's CNI config",
+        Duration::from_secs(60),
+        || async { (json(&node.read(CONFLIST)?) == json(&bare)).then_some(()) },
+    )
+    .await;
+    node.eventually(
+        "our agent removed its host rules",
+        Duration::from_secs(30),
+        || async {
+            let host = node_rules(&node);
+            (!host.nft.contains("ISTIO") && !host.legacy.contains("ISTIO")).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        !node.node_path("/opt/cni/bin/istio-cni").exists(),
+        "the plugin binary left on the node"
+    );
+    assert!(
+        redirected_now(&node, "mesh", "by-ours"),
+        "running pods keep their rules"
+    );
 }
