@@ -18,6 +18,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -43,6 +44,16 @@ fn main() {
         return;
     }
     dataplane::require_root!();
+    // The proxy runs as an unprivileged UID, which may not reach this binary where cargo put it
+    // (a CARGO_TARGET_DIR under /root): it runs a copy in a directory everyone can read.
+    let exe_dir = tempfile::Builder::new()
+        .prefix("sidecar-traffic")
+        .permissions(std::fs::Permissions::from_mode(0o755))
+        .tempdir()
+        .expect("temp dir for the proxy's binary");
+    let exe = exe_dir.path().join("proxy");
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).expect("copying the test binary");
+    PROXY_EXE.set(exe).unwrap();
     for backend in ["iptables", "nftables"] {
         eprintln!("sidecar_traffic: {backend}");
         scenario(backend);
@@ -56,6 +67,14 @@ fn main() {
         userns_scenario(backend, variant);
     }
     eprintln!("sidecar_traffic: ok");
+    drop(exe_dir);
+}
+
+/// This binary, where the proxy's UID can run it (set by `main`).
+static PROXY_EXE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+fn proxy_exe() -> &'static std::path::Path {
+    PROXY_EXE.get().expect("main copies the binary first")
 }
 
 // ---- the proxy process (UID 1337, inside the pod netns) ---------------------------------------
@@ -170,7 +189,7 @@ impl Drop for Proxy {
 }
 
 fn start_proxy(pod: &TestNetns) -> Proxy {
-    let exe = std::env::current_exe().unwrap();
+    let exe = proxy_exe();
     let mut child = Command::new("ip")
         .args(["netns", "exec", &pod.name, "setpriv"])
         .args(["--reuid=1337", "--regid=1337", "--clear-groups", "--"])
@@ -373,7 +392,7 @@ impl UsernsPod {
 
     /// The test proxy as the pod's own UID 1337.
     fn start_proxy(&self) -> Proxy {
-        let exe = std::env::current_exe().unwrap();
+        let exe = proxy_exe();
         let mut child = Command::new("nsenter")
             .arg(format!("--user={}", self.ns("user")))
             .arg(format!("--net={}", self.ns("net")))
