@@ -834,6 +834,16 @@ async fn socket_dir_owner_is_the_trusted_ztunnel_and_others_are_refused() {
         std::os::unix::fs::chown(dir, Some(ZTUNNEL_UID), Some(ZTUNNEL_UID)).unwrap();
         assert_eq!(c.allowed_uids, vec![0], "root only by default");
     });
+    // The unprivileged peers may not reach the binary where cargo put it (a CARGO_TARGET_DIR
+    // under /root): they run a copy in the opened temp dir.
+    let peer_bin = agent
+        .path
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("fake-ztunnel");
+    std::fs::copy(env!("CARGO_BIN_EXE_fake-ztunnel"), &peer_bin).unwrap();
     let peer_as = |uid: u32| {
         tokio::process::Command::new("setpriv")
             .args([
@@ -842,7 +852,7 @@ async fn socket_dir_owner_is_the_trusted_ztunnel_and_others_are_refused() {
                 "--clear-groups".into(),
                 "--".into(),
             ])
-            .arg(env!("CARGO_BIN_EXE_fake-ztunnel"))
+            .arg(&peer_bin)
             .arg("--socket")
             .arg(&agent.path)
             .arg("--no-proxies")
