@@ -156,9 +156,6 @@ pub async fn run(
     }
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
 
     let mut sockets = vec![serve_unix(
         &run_dir.join(cni_core::cmdadd::LOG_SOCKET),
@@ -189,7 +186,7 @@ pub async fn run(
                 &metrics,
                 &readiness,
                 previous,
-                stopped(stop_rx.clone()),
+                stop_rx.clone(),
             )
             .await?,
         ),
@@ -226,6 +223,9 @@ pub async fn run(
     // A missing socket makes the plugin fail ambient pods at once (fail closed) instead of waiting.
     if let Some(n) = &mut node {
         sockets.append(&mut n.sockets);
+        if let Some(checks) = n.drift_checks.take() {
+            let _ = tokio::time::timeout(DRIFT_CHECK_STOP, checks).await;
+        }
     }
     for socket in &sockets {
         socket.remove();
@@ -286,11 +286,17 @@ fn spawn_drift_checks(
     mesh: Arc<Mesh>,
     every: Duration,
     host_ready: ReadyFlag,
-) {
+    stopped: impl Future<Output = ()> + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
     host_ready.set(true);
     tokio::spawn(async move {
+        tokio::pin!(stopped);
         loop {
-            tokio::time::sleep(every).await;
+            // A check once begun runs to its end: its host work runs on threads of its own.
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                () = &mut stopped => return,
+            }
             // Hints a full run dir refused, now that there may be room.
             mesh.hints.write_pending();
             match mesh.repair_host().await {
@@ -310,7 +316,7 @@ fn spawn_drift_checks(
                 .collect();
             mesh.repair_drift(&enrolled).await;
         }
-    });
+    })
 }
 
 /// The running ambient parts the shutdown path needs.
@@ -328,6 +334,8 @@ struct AmbientNode {
     pod_name: String,
     /// The plugin event and debug sockets.
     sockets: Vec<SocketFile>,
+    /// Ended before an uninstall's teardown: a check still running would put host rules back.
+    drift_checks: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl AmbientNode {
@@ -362,6 +370,14 @@ impl AmbientNode {
 
 /// The readiness condition of the pod and namespace watches' first lists.
 const WATCHES: &str = "watches";
+/// Resolves once a stop is requested.
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// How long a stop waits for a drift check under way to finish.
+const DRIFT_CHECK_STOP: Duration = Duration::from_secs(10);
+
 /// The readiness condition of the host's probe rules and sets, while drift checks run.
 const HOST_PROBE_RULES: &str = "host probe rules";
 
@@ -375,7 +391,7 @@ async fn start_ambient(
     metrics: &Metrics,
     readiness: &Arc<Readiness>,
     previous: Option<Waiting>,
-    stopped: impl Future<Output = ()> + Send + 'static,
+    stop: watch::Receiver<bool>,
 ) -> anyhow::Result<AmbientNode> {
     let cfg = setup.cfg;
     // The watches' first lists (a TLS handshake and two LISTs) run while the host is set up:
@@ -526,20 +542,21 @@ async fn start_ambient(
         crate::ambient::explain::router(explainer),
         "debug",
     )?;
-    if let Some(every) = cfg.drift_check_interval {
+    let drift_checks = cfg.drift_check_interval.map(|every| {
         spawn_drift_checks(
             cluster.clone(),
             mesh,
             every,
             readiness.condition(HOST_PROBE_RULES),
-        );
-    }
+            stopped(stop.clone()),
+        )
+    });
 
     let zds_flag = readiness.condition("zds");
     tokio::spawn(async move {
         if restored_rx.await.is_ok() {
             tracing::info!("CNI ambient server marking ready");
-            tokio::spawn(zds_server.serve(stopped));
+            tokio::spawn(zds_server.serve(stopped(stop)));
             loop {
                 zds_flag.set(zds.serving());
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -558,6 +575,7 @@ async fn start_ambient(
         owned_config: setup.owned_config,
         disable_safe_upgrade: cfg.disable_safe_upgrade,
         sockets: vec![event_socket, debug_socket],
+        drift_checks,
     })
 }
 
