@@ -28,22 +28,26 @@ pub fn repo_file(rel: &str) -> PathBuf {
 /// The helm binary built from its Go module by `tools/helm/build.sh` (cached; built on first use).
 pub fn helm() -> &'static Path {
     static HELM: OnceLock<PathBuf> = OnceLock::new();
-    HELM.get_or_init(|| {
-        let script = repo_file("tools/helm/build.sh");
-        let out = Command::new(&script)
-            .stderr(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        assert!(out.status.success(), "{} failed", script.display());
-        let stdout = String::from_utf8(out.stdout).expect("build.sh prints a path");
-        PathBuf::from(
-            stdout
-                .lines()
-                .last()
-                .expect("build.sh prints the binary")
-                .trim(),
-        )
-    })
+    HELM.get_or_init(|| built_tool("tools/helm/build.sh"))
+}
+
+/// Runs one of the repository's `tools/*/build.sh` (which build a pinned Go module once and
+/// cache it) and returns the binary's path, the last line it prints.
+pub fn built_tool(script: &str) -> PathBuf {
+    let script = repo_file(script);
+    let out = Command::new(&script)
+        .stderr(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed", script.display());
+    let stdout = String::from_utf8(out.stdout).expect("build.sh prints a path");
+    PathBuf::from(
+        stdout
+            .lines()
+            .last()
+            .expect("build.sh prints the binary")
+            .trim(),
+    )
 }
 
 /// `helm template` of our chart into [`NAMESPACE`] with extra arguments (`-f`, `--set`): the

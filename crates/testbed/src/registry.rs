@@ -5,10 +5,9 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use crate::manifests::repo_file;
 use crate::ports;
 
 pub struct Registry {
@@ -19,20 +18,7 @@ pub struct Registry {
 
 /// The registry binary (built on first use).
 pub fn binary() -> PathBuf {
-    let script = repo_file("tools/registry/build.sh");
-    let out = Command::new(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed", script.display());
-    let stdout = String::from_utf8(out.stdout).expect("build.sh prints a path");
-    PathBuf::from(
-        stdout
-            .lines()
-            .last()
-            .expect("build.sh prints the binary")
-            .trim(),
-    )
+    crate::manifests::built_tool("tools/registry/build.sh")
 }
 
 impl Registry {
