@@ -7,10 +7,10 @@
 #
 #   tools/istio/build.sh [BINARY...]     # default: pilot-discovery
 #
-# Known binaries: pilot-discovery (istiod), pilot-agent, install-cni, istio-cni, and log-golden: our
-# tools/istio/log-golden/main.go, built as a module whose go.mod is Istio's own (every requirement
-# and replace, so Istio's exact dependency versions) plus Istio itself. Prints the cache directory
-# on its last line.
+# Known binaries: pilot-discovery (istiod), pilot-agent, istioctl, install-cni, istio-cni, and
+# log-golden: our tools/istio/log-golden/main.go, built as a module whose go.mod is Istio's own
+# (every requirement and replace, so Istio's exact dependency versions) plus Istio itself. Prints
+# the cache directory on its last line.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 version=$(awk '/^require istio.io\/istio /{print $3}' "$here/go.mod")
@@ -21,10 +21,11 @@ pkg_of() { # binary name -> package path inside istio.io/istio
   case "$1" in
     pilot-discovery) echo ./pilot/cmd/pilot-discovery ;;
     pilot-agent) echo ./pilot/cmd/pilot-agent ;;
+    istioctl) echo ./istioctl/cmd/istioctl ;;
     install-cni) echo ./cni/cmd/install-cni ;;
     istio-cni) echo ./cni/cmd/istio-cni ;;
     log-golden) echo log-golden ;;
-    *) echo "tools/istio/build.sh: unknown Istio binary '$1' (known: pilot-discovery pilot-agent install-cni istio-cni log-golden)" >&2
+    *) echo "tools/istio/build.sh: unknown Istio binary '$1' (known: pilot-discovery pilot-agent istioctl install-cni istio-cni log-golden)" >&2
        return 1 ;;
   esac
 }
