@@ -131,6 +131,11 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
+    metrics.set_build(if install.entry.native_nftables {
+        "nftables"
+    } else {
+        "iptables"
+    });
     let readiness = Readiness::new();
     for setting in unhonoured {
         tracing::warn!("setting not honoured: {setting}");

@@ -47,6 +47,32 @@ pub struct DriftLabel {
     pub scope: &'static str,
 }
 
+/// `istio_cni_build_info`: which build runs on a node, and with which rule backend, so a fleet
+/// part-way through an upgrade or a migration from Istio's agent can be followed node by node.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: String,
+    pub revision: String,
+    pub backend: String,
+}
+
+impl BuildLabels {
+    /// This binary's: the release's version and commit when `scripts/release` built it (it sets
+    /// `ISTIO_CNI_RS_VERSION` and `ISTIO_CNI_RS_REVISION`), else the crate's version and
+    /// `unknown`.
+    pub fn this_build(backend: &str) -> Self {
+        BuildLabels {
+            version: option_env!("ISTIO_CNI_RS_VERSION")
+                .unwrap_or(env!("CARGO_PKG_VERSION"))
+                .to_string(),
+            revision: option_env!("ISTIO_CNI_RS_REVISION")
+                .unwrap_or("unknown")
+                .to_string(),
+            backend: backend.to_string(),
+        }
+    }
+}
+
 /// `istio_cni_installs_total`, by `result`.
 pub type InstallResults = Family<ResultLabel, Counter>;
 
@@ -86,6 +112,8 @@ pub struct Metrics {
     /// Enrolled pods whose rules, and host probe states, found drifted (changed, removed) and
     /// re-applied.
     pub drift_repairs: Family<DriftLabel, Counter>,
+    /// `istio_cni_build_info{version,revision,backend}`, 1 for this build ([`Metrics::set_build`]).
+    pub build_info: Family<BuildLabels, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -108,6 +136,7 @@ impl Metrics {
             zds_ack_seconds: latency_histogram(),
             event_to_enrolled_seconds: latency_histogram(),
             drift_repairs: Family::default(),
+            build_info: Family::default(),
         };
         registry.register(
             "istio_cni_installs",
@@ -169,8 +198,20 @@ impl Metrics {
             "Drifted in-pod rules (scope pod) and host probe rules or sets (scope host) re-applied",
             m.drift_repairs.clone(),
         );
+        registry.register(
+            "istio_cni_build_info",
+            "1 for the build running: its version, commit and rule backend",
+            m.build_info.clone(),
+        );
         registry.register_collector(Box::new(process::ProcessCollector::current()));
         m
+    }
+
+    /// Exports this build with rule backend `backend` (`iptables` or `nftables`).
+    pub fn set_build(&self, backend: &str) {
+        self.build_info
+            .get_or_create(&BuildLabels::this_build(backend))
+            .set(1);
     }
 }
 
@@ -212,6 +253,12 @@ mod tests {
             })
             .inc();
         observe(&m.zds_ack_seconds, Duration::from_micros(80));
+        m.set_build("nftables");
+        let this = BuildLabels::this_build("nftables");
+        let build = format!(
+            "istio_cni_build_info{{version=\"{}\",revision=\"{}\",backend=\"nftables\"}} 1",
+            this.version, this.revision
+        );
         let mut text = String::new();
         encode(&mut text, &registry).unwrap();
         for line in [
@@ -223,6 +270,7 @@ mod tests {
             "istio_cni_plugin_requests_total{response_code=\"200\"} 1",
             "istio_cni_zds_ack_duration_seconds_count 1",
             "istio_cni_zds_ack_duration_seconds_bucket{le=\"0.0001\"} 1",
+            &build,
             "# TYPE process_cpu_seconds counter",
             "# TYPE process_resident_memory_bytes gauge",
             "# TYPE process_open_fds gauge",
@@ -285,6 +333,7 @@ mod tests {
                 scope: "pod",
             })
             .inc();
+        m.set_build("iptables");
         let mut text = String::new();
         encode(&mut text, &registry).unwrap();
         let exported = |family: &str, kind: &str| match kind {
