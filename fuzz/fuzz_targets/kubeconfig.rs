@@ -1,23 +1,5 @@
-//! The kubeconfig the plugin reads from the host (`<run dir>/istio-cni-kubeconfig`) and the API
-//! server URL in it: any text parses or is refused, never panics.
-//!
-//! Run: `scripts/fuzz kubeconfig`
+//! `fuzz_targets::kubeconfig` (crates/fuzz-targets) driven by libFuzzer: `scripts/fuzz kubeconfig`.
 
 #![no_main]
 
-use cni_core::kubeconfig::{parse, parse_server_url};
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| {
-    let Ok(text) = std::str::from_utf8(data) else {
-        return;
-    };
-    let _ = parse_server_url(text);
-    if let Ok(kc) = parse(text) {
-        assert!(!kc.server.is_empty());
-        if let Ok(url) = parse_server_url(&kc.server) {
-            assert!(!url.host.is_empty());
-            assert!(!url.base_path.ends_with('/'));
-        }
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| fuzz_targets::kubeconfig::run(data));

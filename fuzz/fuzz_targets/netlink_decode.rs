@@ -1,17 +1,5 @@
-//! Dumps read back from the kernel (`NFT_MSG_NEWRULE` and `NFT_MSG_NEWSETELEM` payloads) go
-//! through our own netlink attribute decoder: no byte sequence may panic it, and a decoded rule
-//! renders.
-//!
-//! Run: `scripts/fuzz netlink_decode`
+//! `fuzz_targets::netlink_decode` (crates/fuzz-targets) driven by libFuzzer: `scripts/fuzz netlink_decode`.
 
 #![no_main]
 
-use dataplane::nft::wire::{decode_rule, decode_set_elements};
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| {
-    if let Ok(Some((_table, rule))) = decode_rule(data) {
-        let _ = rule.body();
-    }
-    let _ = decode_set_elements(data);
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| fuzz_targets::netlink_decode::run(data));

@@ -1,20 +1,5 @@
-//! Any datagram a peer can send must decode to a value or an error, never a panic, and every
-//! accepted request must survive a re-encode within the packet limit.
-//!
-//! Run: `cd fuzz && cargo +nightly fuzz run zds_decode`
+//! `fuzz_targets::zds_decode` (crates/fuzz-targets) driven by libFuzzer: `scripts/fuzz zds_decode`.
 
 #![no_main]
 
-use cni_core::zds::{MAX_MESSAGE_LEN, decode_ack, decode_hello, decode_request, encode_request};
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| {
-    let _ = decode_hello(data);
-    let _ = decode_ack(data);
-    if let Ok(req) = decode_request(data) {
-        assert!(data.len() <= MAX_MESSAGE_LEN);
-        // prost drops unknown fields, so the re-encoding is never longer than the input.
-        let again = encode_request(&req).expect("a decoded request re-encodes within the limit");
-        assert_eq!(decode_request(&again).expect("round trip"), req);
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| fuzz_targets::zds_decode::run(data));

@@ -177,32 +177,11 @@ impl NetlinkSocket {
             header,
             NetlinkPayload::InnerMessage(payload),
         )])?;
-        let mut out = Payloads::default();
-        let (mut interrupted, mut done) = (false, false);
-        while !done {
-            self.recv_each(|msg| {
-                let (message_type, flags, reply_seq) = header_of(msg);
-                if done || reply_seq != seq {
-                    return Ok(());
-                }
-                interrupted |= flags & NLM_F_DUMP_INTR != 0;
-                match message_type {
-                    NLMSG_DONE => done = true,
-                    NLMSG_ERROR => {
-                        if let Some(refused) = rejection(msg, 0) {
-                            return Err(refused);
-                        }
-                    }
-                    t if keep(t) => out.push(t, &msg[16..]),
-                    _ => {}
-                }
-                Ok(())
-            })?;
+        let mut replies = DumpReplies::new(seq, keep);
+        while !replies.done() {
+            self.recv_each(|msg| replies.take(msg))?;
         }
-        if interrupted {
-            return Err(NetlinkError::DumpInterrupted);
-        }
-        Ok(out)
+        replies.finish()
     }
 
     /// Sends `msgs` in one datagram (a netfilter batch, or several route requests) and waits until
@@ -310,19 +289,7 @@ impl NetlinkSocket {
     ) -> Result<(), NetlinkError> {
         RECV.with_borrow_mut(|buf| {
             self.recv_datagram(buf)?;
-            let mut off = 0;
-            while off + 16 <= buf.len() {
-                let len =
-                    u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes")) as usize;
-                if len < 16 || off + len > buf.len() {
-                    return Err(NetlinkError::Decode(format!(
-                        "bad message length {len} at offset {off}"
-                    )));
-                }
-                each(&buf[off..off + len])?;
-                off += (len + 3) & !3;
-            }
-            Ok(())
+            messages(buf, &mut each)
         })
     }
 
@@ -383,6 +350,84 @@ impl NetlinkSocket {
 impl std::os::fd::AsRawFd for NetlinkSocket {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.socket.as_raw_fd()
+    }
+}
+
+/// Hands each message of a received datagram, header included, to `each`; a length that does not
+/// fit the datagram is an error. Public, as [`DumpReplies`] is, so what arrives on a netlink
+/// socket can be fuzzed (`fuzz/`).
+pub fn messages(
+    datagram: &[u8],
+    mut each: impl FnMut(&[u8]) -> Result<(), NetlinkError>,
+) -> Result<(), NetlinkError> {
+    let mut off = 0;
+    while off + 16 <= datagram.len() {
+        let len = u32::from_ne_bytes(datagram[off..off + 4].try_into().expect("4 bytes")) as usize;
+        if len < 16 || off + len > datagram.len() {
+            return Err(NetlinkError::Decode(format!(
+                "bad message length {len} at offset {off}"
+            )));
+        }
+        each(&datagram[off..off + len])?;
+        off += (len + 3) & !3;
+    }
+    Ok(())
+}
+
+/// The replies to one dump request as its messages arrive ([`messages`]): those of type `keep`
+/// accepts are kept, undecoded, until `NLMSG_DONE`; a refusal ends it with the kernel's error,
+/// an interruption with [`NetlinkError::DumpInterrupted`].
+pub struct DumpReplies<K> {
+    seq: u32,
+    keep: K,
+    out: Payloads,
+    interrupted: bool,
+    done: bool,
+}
+
+impl<K: Fn(u16) -> bool> DumpReplies<K> {
+    /// The replies to the request numbered `seq`; other messages are ignored.
+    pub fn new(seq: u32, keep: K) -> Self {
+        DumpReplies {
+            seq,
+            keep,
+            out: Payloads::default(),
+            interrupted: false,
+            done: false,
+        }
+    }
+
+    /// Takes one received message, header included.
+    pub fn take(&mut self, msg: &[u8]) -> Result<(), NetlinkError> {
+        let (message_type, flags, reply_seq) = header_of(msg);
+        if self.done || reply_seq != self.seq {
+            return Ok(());
+        }
+        self.interrupted |= flags & NLM_F_DUMP_INTR != 0;
+        match message_type {
+            NLMSG_DONE => self.done = true,
+            NLMSG_ERROR => {
+                if let Some(refused) = rejection(msg, 0) {
+                    return Err(refused);
+                }
+            }
+            t if (self.keep)(t) => self.out.push(t, &msg[16..]),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Whether `NLMSG_DONE` came.
+    pub fn done(&self) -> bool {
+        self.done
+    }
+
+    /// The kept replies, unless the dump was interrupted.
+    pub fn finish(self) -> Result<Payloads, NetlinkError> {
+        if self.interrupted {
+            return Err(NetlinkError::DumpInterrupted);
+        }
+        Ok(self.out)
     }
 }
 

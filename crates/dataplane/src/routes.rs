@@ -20,9 +20,9 @@ use crate::netns::{Netns, NetnsError};
 
 // Message types, header sizes and attribute types from <linux/rtnetlink.h>, <linux/if_link.h>
 // and <linux/fib_rules.h>.
-const RTM_NEWLINK: u16 = 16;
-const RTM_NEWROUTE: u16 = 24;
-const RTM_NEWRULE: u16 = 32;
+pub const RTM_NEWLINK: u16 = 16;
+pub const RTM_NEWROUTE: u16 = 24;
+pub const RTM_NEWRULE: u16 = 32;
 /// `LOOPBACK_IFINDEX`: `lo`'s index in every network namespace.
 const LOOPBACK_IFINDEX: u32 = 1;
 /// `struct ifinfomsg`; the interface index is its second field, at bytes 4..8.
@@ -236,36 +236,43 @@ pub fn read_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<RouteSt
             RTM_NEWRULE,
             "list rules",
         )?;
-        let mut present = Vec::new();
-        for (family, route, rule) in [
-            (AF_INET, RoutePiece::LocalRouteV4, RoutePiece::MarkRuleV4),
-            (AF_INET6, RoutePiece::LocalRouteV6, RoutePiece::MarkRuleV6),
-        ] {
-            // Both headers (rtmsg, fib_rule_hdr) start with the family.
-            let of_family = |m: &&[u8]| m.first() == Some(&family);
-            if routes
-                .iter()
-                .map(|(_, r)| r)
-                .filter(of_family)
-                .any(|r| is_our_route(r, LOOPBACK_IFINDEX, policy))
-            {
-                present.push(route);
-            }
-            if rules
-                .iter()
-                .map(|(_, r)| r)
-                .filter(of_family)
-                .any(|r| is_our_rule(r, policy))
-            {
-                present.push(rule);
-            }
-        }
-        present.sort();
         Ok(RouteState {
-            present,
+            present: present(&routes, &rules, policy),
             desired: desired(ipv6, lo_ipv6),
         })
     })?
+}
+
+/// The policy's pieces found in a dump of routes and one of rules (`RTM_NEWROUTE` and
+/// `RTM_NEWRULE` payloads of both families), sorted. Public so what the kernel dumps can be
+/// fuzzed (`fuzz/`).
+pub fn present(routes: &Payloads, rules: &Payloads, policy: &Policy) -> Vec<RoutePiece> {
+    let mut present = Vec::new();
+    for (family, route, rule) in [
+        (AF_INET, RoutePiece::LocalRouteV4, RoutePiece::MarkRuleV4),
+        (AF_INET6, RoutePiece::LocalRouteV6, RoutePiece::MarkRuleV6),
+    ] {
+        // Both headers (rtmsg, fib_rule_hdr) start with the family.
+        let of_family = |m: &&[u8]| m.first() == Some(&family);
+        if routes
+            .iter()
+            .map(|(_, r)| r)
+            .filter(of_family)
+            .any(|r| is_our_route(r, LOOPBACK_IFINDEX, policy))
+        {
+            present.push(route);
+        }
+        if rules
+            .iter()
+            .map(|(_, r)| r)
+            .filter(of_family)
+            .any(|r| is_our_rule(r, policy))
+        {
+            present.push(rule);
+        }
+    }
+    present.sort();
+    present
 }
 
 fn open() -> Result<NetlinkSocket, RouteError> {
@@ -305,9 +312,10 @@ fn payloads(replies: Vec<Raw<RouteNetlinkMessage>>, reply: u16) -> Vec<Vec<u8>> 
 }
 
 /// The namespace's `lo`: its index, and whether it has IPv6.
-struct Loopback {
-    index: u32,
-    ipv6: bool,
+#[derive(Debug)]
+pub struct Loopback {
+    pub index: u32,
+    pub ipv6: bool,
 }
 
 /// Asks for `lo` by name. Its IPv6 state comes from the same message (the inet6 devconf's
@@ -327,14 +335,18 @@ fn loopback(sock: &mut NetlinkSocket) -> Result<Loopback, RouteError> {
     };
     payloads(links, RTM_NEWLINK)
         .iter()
-        .find_map(|link| {
-            let attrs = Nlas::parse(link.get(IFINFOMSG_LEN..)?)?;
-            (attrs.get(IFLA_IFNAME)? == b"lo\0").then(|| Loopback {
-                index: u32::from_ne_bytes(link[4..8].try_into().expect("4 bytes")),
-                ipv6: !ipv6_disabled(attrs),
-            })
-        })
+        .find_map(|link| loopback_of(link))
         .ok_or(RouteError::NoLoopback)
+}
+
+/// `lo` as an `RTM_NEWLINK` payload (`struct ifinfomsg`, then attributes) describes it; `None`
+/// for another link or a malformed message. Public so what the kernel answers can be fuzzed.
+pub fn loopback_of(link: &[u8]) -> Option<Loopback> {
+    let attrs = Nlas::parse(link.get(IFINFOMSG_LEN..)?)?;
+    (attrs.get(IFLA_IFNAME)? == b"lo\0").then(|| Loopback {
+        index: u32::from_ne_bytes(link[4..8].try_into().expect("4 bytes")),
+        ipv6: !ipv6_disabled(attrs),
+    })
 }
 
 /// `disable_ipv6` of the link's inet6 devconf (`IFLA_AF_SPEC` → `AF_INET6` →

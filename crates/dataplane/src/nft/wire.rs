@@ -24,11 +24,11 @@ use crate::netlink::{Encoded, NetlinkError, NetlinkSocket, Nlas, Payloads, Raw};
 
 /// `NFNL_SUBSYS_NFTABLES`: batch begin/end name the subsystem they wrap in `res_id`.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
-const NFT_MSG_NEWTABLE: u16 = 0;
-const NFT_MSG_NEWCHAIN: u16 = 3;
-const NFT_MSG_NEWRULE: u16 = 6;
-const NFT_MSG_NEWSET: u16 = 9;
-const NFT_MSG_NEWSETELEM: u16 = 12;
+pub const NFT_MSG_NEWTABLE: u16 = 0;
+pub const NFT_MSG_NEWCHAIN: u16 = 3;
+pub const NFT_MSG_NEWRULE: u16 = 6;
+pub const NFT_MSG_NEWSET: u16 = 9;
+pub const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_NEWGEN: u16 = 15;
 const NFT_MSG_GETGEN: u16 = 16;
 const NFTA_GEN_ID: u16 = 1;
@@ -272,9 +272,14 @@ fn dump_raw_of(
     msg: NfTablesMessage,
     reply: u16,
 ) -> Result<Payloads, NetlinkError> {
-    let wanted = (NFNL_SUBSYS_NFTABLES << 8) | reply;
+    let wanted = reply_type(reply);
     let request = NetfilterMessage::new(NetfilterHeader::new(family, 0, 0), msg);
     sock.dump_raw(request, |t| t == wanted)
+}
+
+/// The netlink message type of an nf_tables reply of kind `NFT_MSG_*`.
+pub fn reply_type(kind: u16) -> u16 {
+    (NFNL_SUBSYS_NFTABLES << 8) | kind
 }
 
 /// The generation of the namespace's nftables: the kernel moves it with every commit.
@@ -437,9 +442,19 @@ pub fn decode_set_elements(payload: &[u8]) -> Result<Vec<SetElement>, NetlinkErr
 /// every enrolled pod, and the netlink crate's owned attribute lists cost an allocation per
 /// attribute.
 pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, NetlinkError> {
+    decode_tables(names, |request, kind| dump_raw(sock, request, kind))
+}
+
+/// [`read_tables`] from the replies `dump(request, kind)` gives to each of its requests (`kind`:
+/// the `NFT_MSG_*` of the replies kept). Apart from the socket so what the kernel dumps can be
+/// fuzzed (`fuzz/`).
+pub fn decode_tables(
+    names: &[&str],
+    mut dump: impl FnMut(NfTablesMessage, u16) -> Result<Payloads, NetlinkError>,
+) -> Result<Ruleset, NetlinkError> {
     let mut tables: Vec<Table> = Vec::new();
     let request = NfTablesMessage::GetTable(TableMessage { attributes: vec![] });
-    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWTABLE)?.iter() {
+    for (_, payload) in dump(request, NFT_MSG_NEWTABLE)?.iter() {
         let attrs = message_attrs(payload, "table")?;
         if let Some(name) = attrs
             .get(NFTA_TABLE_NAME)
@@ -464,7 +479,7 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     };
 
     let request = NfTablesMessage::GetChain(ChainMessage { attributes: vec![] });
-    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWCHAIN)?.iter() {
+    for (_, payload) in dump(request, NFT_MSG_NEWCHAIN)?.iter() {
         let attrs = message_attrs(payload, "chain")?;
         let (Some(t), Some(name)) = (
             find(&tables, attrs.get(NFTA_CHAIN_TABLE)),
@@ -495,7 +510,7 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     }
 
     let request = NfTablesMessage::GetSet(SetMessage { attributes: vec![] });
-    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWSET)?.iter() {
+    for (_, payload) in dump(request, NFT_MSG_NEWSET)?.iter() {
         let attrs = message_attrs(payload, "set")?;
         let key = match attrs.get_u32_be(NFTA_SET_KEY_TYPE) {
             Some(KEY_TYPE_IPV4) => SetKey::Ipv4Addr,
@@ -520,7 +535,7 @@ pub fn read_tables(sock: &mut NetlinkSocket, names: &[&str]) -> Result<Ruleset, 
     }
 
     let request = NfTablesMessage::GetRule(RuleMessage { attributes: vec![] });
-    for (_, payload) in dump_raw(sock, request, NFT_MSG_NEWRULE)?.iter() {
+    for (_, payload) in dump(request, NFT_MSG_NEWRULE)?.iter() {
         if let Some((table, rule)) = decode_rule(payload)?
             && let Some(t) = tables.iter_mut().find(|t| t.name == table)
         {
