@@ -37,8 +37,9 @@ fn repo() -> PathBuf {
 }
 
 /// The images the mesh adds to the node's default ones: `$MESH_IMAGES` if set, else built once
-/// per test process with `scripts/node-images build target/istiod-image pilot` (istiod from the pin
-/// in tools/istio: a first build takes many minutes; cached afterwards).
+/// per test process with `scripts/node-images build target/istiod-image pilot proxyv2` (istiod
+/// and the sidecar image its injector names, from the pin in tools/istio: a first build takes
+/// many minutes; cached afterwards).
 pub fn mesh_images_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -50,13 +51,13 @@ pub fn mesh_images_dir() -> PathBuf {
         let status = Command::new(&script)
             .arg("build")
             .arg(&out)
-            .arg("pilot")
+            .args(["pilot", "proxyv2"])
             .stdout(Stdio::null())
             .status()
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
         assert!(
             status.success(),
-            "{} build {} pilot failed",
+            "{} build {} pilot proxyv2 failed",
             script.display(),
             out.display()
         );
