@@ -445,10 +445,13 @@ fn rejection(msg: &[u8], index: usize) -> Option<NetlinkError> {
     let code = msg
         .get(16..20)
         .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
-    (code != 0).then(|| NetlinkError::Kernel {
-        index,
-        source: io::Error::from_raw_os_error(-code),
-        ext_ack: ext_ack_text(header_of(msg).1, msg),
+    (code != 0).then(|| match code.checked_neg() {
+        Some(errno) => NetlinkError::Kernel {
+            index,
+            source: io::Error::from_raw_os_error(errno),
+            ext_ack: ext_ack_text(header_of(msg).1, msg),
+        },
+        None => NetlinkError::Decode(format!("netlink error code {code} names no errno")),
     })
 }
 
@@ -665,6 +668,25 @@ mod tests {
     use netlink_packet_route::route::RouteMessage;
 
     use super::*;
+
+    #[test]
+    fn an_error_code_that_names_no_errno_is_a_decode_error() {
+        // Found by fuzzing (route_dump, fuzz/seeds/route_dump/crash-error-code-i32-min): the
+        // code's negation overflowed.
+        // nlmsghdr (length, type, flags, seq, port id), then the code.
+        let mut msg = 20u32.to_ne_bytes().to_vec();
+        msg.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        msg.extend_from_slice(&0u16.to_ne_bytes());
+        msg.extend_from_slice(&1u32.to_ne_bytes());
+        msg.extend_from_slice(&0u32.to_ne_bytes());
+        msg.extend_from_slice(&i32::MIN.to_ne_bytes());
+        let mut replies = DumpReplies::new(1, |_| true);
+        let err = messages(&msg, |m| replies.take(m)).unwrap_err();
+        assert!(
+            matches!(&err, NetlinkError::Decode(m) if m.contains("-2147483648")),
+            "{err}"
+        );
+    }
 
     #[test]
     fn dump_lists_loopback() {
