@@ -432,6 +432,13 @@ impl PeerControl {
     pub fn disconnect(&self) {
         self.inner.disconnect.notify_one();
     }
+
+    /// See [`ZdsPeer::status`].
+    pub fn status(&self) -> PeerStatus {
+        let mut st = self.inner.state();
+        st.refresh();
+        st.status.clone()
+    }
 }
 
 async fn connect(inner: &Inner) -> UnixSeqpacket {

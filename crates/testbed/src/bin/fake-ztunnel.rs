@@ -11,6 +11,12 @@
 //! read every 200 ms, is how Adds are answered from then on: `ack`, `nack TEXT`, `delay MS`
 //! (ack late) or `crash` (drop the connection instead); a second line `disconnect N` resets the
 //! connection each time N changes. A missing file is `ack`.
+//!
+//! Run as Istio's `ztunnel` chart runs ztunnel's image (arguments `proxy ztunnel`, the file
+//! paths from the chart's `env` values), the peer also answers the chart's readiness probe,
+//! `GET /healthz/ready` on `:15021`, as ztunnel does: 200 once the agent's snapshot arrived and
+//! no Add is pending, else 503. So Istio's installers (`istioctl install`, the `ambient`
+//! chart) roll it out as their ztunnel.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -27,7 +33,7 @@ struct Args {
     #[arg(long, env = "INPOD_UDS", default_value = cni_agent::zds::DEFAULT_SOCKET)]
     socket: PathBuf,
     /// Where to write the JSON status.
-    #[arg(long)]
+    #[arg(long, env = "FAKE_ZTUNNEL_STATUS_FILE")]
     status_file: Option<PathBuf>,
     /// Nack Adds for a UID with this text: `--nack UID=TEXT` (repeatable; `*` for every UID).
     #[arg(long, value_parser = parse_nack)]
@@ -36,11 +42,44 @@ struct Args {
     #[arg(long)]
     no_proxies: bool,
     /// Cap of the reconnect backoff, in milliseconds.
-    #[arg(long, default_value_t = 15_000)]
+    #[arg(long, env = "FAKE_ZTUNNEL_MAX_BACKOFF_MS", default_value_t = 15_000)]
     max_backoff_ms: u64,
     /// Answers to Adds and connection resets, changed at run time (see the module docs).
-    #[arg(long)]
+    #[arg(long, env = "FAKE_ZTUNNEL_CONTROL_FILE")]
     control_file: Option<PathBuf>,
+    /// ztunnel's own command line, `proxy ztunnel`, as Istio's chart passes it: also serve
+    /// ztunnel's readiness probe (see the module docs).
+    #[arg(value_parser = ["proxy", "ztunnel"])]
+    ztunnel_command: Vec<String>,
+}
+
+/// ztunnel's readiness port and path (Istio's `ztunnel` chart probes them).
+const READINESS_ADDR: &str = "0.0.0.0:15021";
+const READINESS_PATH: &str = "/healthz/ready";
+
+/// Answers ztunnel's readiness probe from the peer's status: ready once the snapshot arrived and
+/// nothing is pending. One request per connection, as kubelet's probes are.
+async fn serve_readiness(listener: tokio::net::TcpListener, peer: PeerControl) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut conn, _)) = listener.accept().await else {
+            continue;
+        };
+        let ready = peer.status().ready;
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1024];
+            let n = conn.read(&mut buf).await.unwrap_or(0);
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let status = match head.split_whitespace().nth(1) {
+                Some(READINESS_PATH) if ready => "200 OK",
+                Some(READINESS_PATH) => "503 Service Unavailable",
+                _ => "404 Not Found",
+            };
+            let reply =
+                format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+            let _ = conn.write_all(reply.as_bytes()).await;
+        });
+    }
 }
 
 /// What a control file asks for.
@@ -130,6 +169,14 @@ async fn main() {
     // A process reading the status file (the real-node suite) sees connection counts through
     // the in-pod listeners within a second.
     let _publisher = peer.publish_every(Duration::from_secs(1));
+    let _readiness = if args.ztunnel_command.is_empty() {
+        None
+    } else {
+        let listener = tokio::net::TcpListener::bind(READINESS_ADDR)
+            .await
+            .unwrap_or_else(|e| panic!("fake-ztunnel: cannot listen on {READINESS_ADDR}: {e}"));
+        Some(tokio::spawn(serve_readiness(listener, peer.control())))
+    };
     let _control = args
         .control_file
         .map(|path| tokio::spawn(follow_control(path, peer.control())));
