@@ -9,7 +9,7 @@
 //! (`/debug/ambientz` on its `:8080`, with a token of istiod's service account: istiod serves
 //! its debug endpoints over HTTP only to its own namespace or to loopback).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -110,6 +110,15 @@ impl Mesh {
     /// The node is also torn down when this process exits, however it exits: a mesh shared by a
     /// test binary's tests lives in a static, which is never dropped.
     pub async fn up(ztunnel: bool) -> Mesh {
+        let mut mesh = Mesh::bare(ztunnel).await;
+        mesh.install().await;
+        mesh
+    }
+
+    /// A node ready for the mesh but without it: [`RealNode::up`] and the mesh's images imported,
+    /// for a test that installs Istio its own way (`istioctl install`, the `ambient` chart).
+    /// Torn down when this process exits, as with [`Mesh::up`].
+    pub async fn bare(ztunnel: bool) -> Mesh {
         let node = RealNode::up().await;
         let watchdog = down_when_this_process_exits(node.dir());
         let sock = node.dir().join("containerd/containerd.sock");
@@ -128,15 +137,13 @@ impl Mesh {
             "importing the mesh images failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let mut mesh = Mesh {
+        Mesh {
             node,
             ztunnel,
             token: Mutex::new(None),
             istiod: Mutex::new(None),
             _watchdog: watchdog,
-        };
-        mesh.install().await;
-        mesh
+        }
     }
 
     /// `scripts/real-node mesh install [--ztunnel]` on this node (idempotent: helm upgrades).
@@ -303,6 +310,60 @@ impl Mesh {
         )
     }
 
+    /// istiod's HBONE workloads among `pods` (all of istiod's when `pods` is empty), once istiod
+    /// answers.
+    pub async fn istiod_hbone(
+        &self,
+        pods: &[(String, String)],
+    ) -> Option<BTreeSet<(String, String)>> {
+        let w = self.istiod_workloads().await?;
+        Some(
+            w.into_iter()
+                .filter(|(k, w)| {
+                    w.tunnel_protocol == "HBONE" && (pods.is_empty() || pods.contains(k))
+                })
+                .map(|(k, _)| k)
+                .collect(),
+        )
+    }
+
+    /// Every pod of the cluster our agent annotated `enabled` is HBONE in istiod's view, and
+    /// istiod has no other HBONE workload (eventually: istiod follows the annotation within
+    /// moments). Panics after 30 s naming both sets.
+    pub async fn assert_istiod_agrees_with_the_agent(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let pods = Api::<Pod>::all(self.node.client())
+                .list(&ListParams::default())
+                .await
+                .unwrap();
+            let enrolled: BTreeSet<(String, String)> = pods
+                .items
+                .iter()
+                .filter(|p| {
+                    p.metadata.deletion_timestamp.is_none()
+                        && crate::real_node::annotation(p, crate::real_node::REDIRECTION).as_deref()
+                            == Some("enabled")
+                })
+                .map(|p| {
+                    (
+                        p.metadata.namespace.clone().unwrap_or_default(),
+                        p.metadata.name.clone().unwrap_or_default(),
+                    )
+                })
+                .collect();
+            let hbone = self.istiod_hbone(&[]).await;
+            if hbone.as_ref() == Some(&enrolled) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "istiod's HBONE workloads {hbone:?} are not the pods our agent enrolled {enrolled:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// The ZDS peer's event log (`add <uid>`, `del <uid>`, ...), from its status file on the node.
     pub fn peer_log(&self) -> Vec<String> {
         self.node
@@ -351,4 +412,57 @@ pub fn sample(metrics: &str, metric: &str, labels: &[&str]) -> Option<f64> {
         .lines()
         .filter(|l| l.starts_with(metric) && labels.iter().all(|want| l.contains(want)))
         .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// Istio's `istioctl`, built from the pin (`tools/istio/build.sh istioctl`; cached).
+pub fn istioctl() -> PathBuf {
+    let out = Command::new(repo().join("tools/istio/build.sh"))
+        .arg("istioctl")
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("tools/istio/build.sh");
+    assert!(out.status.success(), "tools/istio/build.sh istioctl failed");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    PathBuf::from(stdout.lines().last().expect("the cache dir").trim()).join("istioctl")
+}
+
+/// Istio's `ambient` umbrella chart (`manifests/sample-charts/ambient` in the pinned module)
+/// with its dependencies resolved from the module, without copying a file of it: a directory of
+/// symbolic links, `ambient/{Chart.yaml,values.yaml}` to the module's and `ambient/charts/<name>`
+/// to each sibling chart its `file://` dependencies name (helm loads a chart's `charts/` as its
+/// resolved dependencies and follows the links). `helm dependency build` would write packaged
+/// copies into the module's read-only directory instead. The chart is `<dir>/ambient`.
+pub fn ambient_chart() -> tempfile::TempDir {
+    let moddir = crate::migrate::istio_moddir();
+    let umbrella = moddir.join("manifests/sample-charts/ambient");
+    let chart: serde_yaml::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(umbrella.join("Chart.yaml")).expect("the ambient chart"),
+    )
+    .expect("the ambient chart's Chart.yaml");
+    let dir = tempfile::Builder::new()
+        .prefix("istio-ambient-chart")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let top = dir.path().join("ambient");
+    std::fs::create_dir_all(top.join("charts")).unwrap();
+    for f in ["Chart.yaml", "values.yaml"] {
+        std::os::unix::fs::symlink(umbrella.join(f), top.join(f)).unwrap();
+    }
+    for dep in chart["dependencies"].as_sequence().expect("dependencies") {
+        let name = dep["name"].as_str().expect("a dependency's name");
+        let repo = dep["repository"]
+            .as_str()
+            .expect("a dependency's repository");
+        let rel = repo
+            .strip_prefix("file://")
+            .unwrap_or_else(|| panic!("dependency {name} is not a file:// chart: {repo}"));
+        let target = umbrella.join(rel);
+        assert!(
+            target.join("Chart.yaml").is_file(),
+            "dependency {name}: no chart at {}",
+            target.display()
+        );
+        std::os::unix::fs::symlink(&target, top.join("charts").join(name)).unwrap();
+    }
+    dir
 }

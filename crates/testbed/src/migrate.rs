@@ -288,6 +288,19 @@ pub fn agent_log(node: &RealNode) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Lines of an agent log (Istio's format: time, level, scope, message) at `warn` or above.
+pub fn loud_lines(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| matches!(l.split('\t').nth(1), Some("warn" | "error" | "fatal")))
+        .collect()
+}
+
+/// `GET /readyz` of the agent (on the node's host network): its body.
+pub fn agent_readyz(node: &RealNode) -> String {
+    let out = node.try_script(&["exec", "curl", "-s", "http://127.0.0.1:8000/readyz"]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// The witness again, now, in the running pod (`kubectl exec`): whether its outbound still lands
 /// on a proxy listener.
 pub fn redirected_now(node: &RealNode, ns: &str, name: &str) -> bool {
@@ -427,6 +440,67 @@ pub fn node_rules<'a>(node: impl Into<Node<'a>>) -> Rules {
         "/proc/{}/ns/net",
         node.into().holder_pid()
     )))
+}
+
+/// What of either agent is on the node besides the pods: host chains (both iptables variants),
+/// nftables tables, ipsets, policy routing rules, and files.
+pub fn host_state(node: Node<'_>) -> std::collections::BTreeMap<&'static str, String> {
+    let ns = PathBuf::from(format!("/proc/{}/ns/net", node.holder_pid()));
+    let rules = node_rules(node);
+    let istio_lines = |s: &str| {
+        s.lines()
+            .filter(|l| l.contains("ISTIO") || l.contains("istio"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let mut out = std::collections::BTreeMap::new();
+    out.insert("iptables-nft", istio_lines(&rules.nft));
+    out.insert("iptables-legacy", istio_lines(&rules.legacy));
+    out.insert(
+        "nft tables",
+        istio_lines(&netns_exec(&ns, "nft", &["list", "tables"])),
+    );
+    out.insert(
+        "ipsets",
+        istio_lines(&netns_exec(&ns, "ipset", &["list", "-n"])),
+    );
+    out.insert("ip rules", netns_exec(&ns, "ip", &["rule", "list"]));
+    out.insert(
+        "ip rules v6",
+        netns_exec(&ns, "ip", &["-6", "rule", "list"]),
+    );
+    out.insert(
+        "route table 100",
+        netns_exec(&ns, "ip", &["route", "show", "table", "all"])
+            .lines()
+            .filter(|l| l.contains("table 100"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    );
+    out.insert("/etc/cni/net.d", ls(node, "/etc/cni/net.d"));
+    out.insert("/opt/cni/bin/istio-cni", ls(node, "/opt/cni/bin/istio-cni"));
+    // Istio's plugin writes every record into istio-cni.log there and Istio's uninstall leaves
+    // it; it is Istio's file (ours writes it only with records the agent could not take, and
+    // never without Istio having written it first here), so it is not counted.
+    out.insert(
+        "/run/istio-cni",
+        ls(node, "/run/istio-cni")
+            .lines()
+            .filter(|l| *l != "istio-cni.log")
+            .collect::<Vec<_>>()
+            .join("\n"),
+    );
+    out
+}
+
+/// `ls -A path` on the node (empty when there is no such path).
+pub fn ls(node: Node<'_>, path: &str) -> String {
+    let out = node.try_script(&["exec", "ls", "-A", path]);
+    if out.status.success() {
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    } else {
+        String::new()
+    }
 }
 
 /// Makes the node a legacy-iptables one, as a distribution defaulting to legacy would have it:

@@ -14,8 +14,9 @@
 use std::time::Duration;
 
 use testbed::migrate::{
-    ISTIO_IMAGE, agent_image, agent_log, helm_cni, helm_cni_with, install_peer,
-    istio_plugin_binary, node_rules, peer_workloads, pod_rules, redirected_now, wait_peer_has,
+    ISTIO_IMAGE, agent_image, agent_log, agent_readyz, helm_cni, helm_cni_with, install_peer,
+    istio_plugin_binary, loud_lines, node_rules, peer_workloads, pod_rules, redirected_now,
+    wait_peer_has,
 };
 use testbed::real_node::{
     CONFLIST, GATEWAY, REDIRECTION, RealNode, annotation, create, get, sidecar_pod,
@@ -286,21 +287,8 @@ async fn helm_uninstall_of_istios_chart_first_leaves_a_gap_that_our_install_clos
 /// Our agent's image, as `scripts/node-images` tags it.
 const OUR_IMAGE: &str = "localhost/istio-cni-rs/install-cni:dev";
 
-/// Lines of an agent log (Istio's format: time, level, scope, message) at `warn` or above.
-fn loud_lines(log: &str) -> Vec<&str> {
-    log.lines()
-        .filter(|l| matches!(l.split('\t').nth(1), Some("warn" | "error" | "fatal")))
-        .collect()
-}
-
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
-}
-
-/// `GET /readyz` of the agent (on the node's host network): its body.
-fn readyz(node: &RealNode) -> String {
-    let out = node.try_script(&["exec", "curl", "-s", "http://127.0.0.1:8000/readyz"]);
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Issue #36: "keep your installer, point the image at ours". Istio's own chart (the `ambient`
@@ -354,7 +342,7 @@ async fn our_image_in_istios_chart_works_quietly_across_image_switches_and_unins
         printed, "REDIRECTED",
         "our plugin did not redirect the sidecar pod"
     );
-    assert_eq!(readyz(&node), "ok\n");
+    assert_eq!(agent_readyz(&node), "ok\n");
     let log = agent_log(&node);
     assert!(
         loud_lines(&log).is_empty(),
@@ -398,7 +386,7 @@ async fn our_image_in_istios_chart_works_quietly_across_image_switches_and_unins
         loud.len() == 1 && loud[0].contains("not honoured: DRY_RUN_FILE_PATH=/tmp/dry-run"),
         "the dry run named once at start, nothing else loud:\n{log}"
     );
-    let body = readyz(&node);
+    let body = agent_readyz(&node);
     assert!(
         body.starts_with("ok\n") && body.contains("not honoured: DRY_RUN_FILE_PATH=/tmp/dry-run"),
         "{body}"

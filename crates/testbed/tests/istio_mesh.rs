@@ -79,18 +79,6 @@ fn key(ns: &str, name: &str) -> Key {
     (ns.to_string(), name.to_string())
 }
 
-/// istiod's HBONE workloads among `pods` (all of istiod's when `pods` is empty), once istiod
-/// answers.
-async fn istiod_hbone(mesh: &Mesh, pods: &[Key]) -> Option<BTreeSet<Key>> {
-    let w = mesh.istiod_workloads().await?;
-    Some(
-        w.into_iter()
-            .filter(|(k, w)| w.tunnel_protocol == "HBONE" && (pods.is_empty() || pods.contains(k)))
-            .map(|(k, _)| k)
-            .collect(),
-    )
-}
-
 /// Waits until istiod's HBONE workloads among `pods` are exactly `want`; returns how long that
 /// took.
 async fn wait_istiod_hbone(mesh: &Mesh, pods: &[Key], want: &[Key]) -> Duration {
@@ -99,7 +87,7 @@ async fn wait_istiod_hbone(mesh: &Mesh, pods: &[Key], want: &[Key]) -> Duration 
     let mut last = None;
     let deadline = started + Duration::from_secs(60);
     loop {
-        let got = istiod_hbone(mesh, pods).await;
+        let got = mesh.istiod_hbone(pods).await;
         if got.as_ref() == Some(&want) {
             return started.elapsed();
         }
@@ -109,41 +97,6 @@ async fn wait_istiod_hbone(mesh: &Mesh, pods: &[Key], want: &[Key]) -> Duration 
             "istiod's HBONE workloads among {pods:?}: {last:?}, want {want:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Every pod of the cluster our agent annotated `enabled` is HBONE in istiod's view, and istiod
-/// has no other HBONE workload (eventually: istiod follows the annotation within moments).
-async fn assert_istiod_agrees_with_the_agent(mesh: &Mesh) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let pods = Api::<Pod>::all(mesh.node.client())
-            .list(&ListParams::default())
-            .await
-            .unwrap();
-        let enrolled: BTreeSet<Key> = pods
-            .items
-            .iter()
-            .filter(|p| {
-                p.metadata.deletion_timestamp.is_none()
-                    && annotation(p, REDIRECTION).as_deref() == Some("enabled")
-            })
-            .map(|p| {
-                key(
-                    p.metadata.namespace.as_deref().unwrap(),
-                    p.metadata.name.as_deref().unwrap(),
-                )
-            })
-            .collect();
-        let hbone = istiod_hbone(mesh, &[]).await;
-        if hbone.as_ref() == Some(&enrolled) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "istiod's HBONE workloads {hbone:?} are not the pods our agent enrolled {enrolled:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -234,7 +187,7 @@ fn istiod_lists_as_hbone_exactly_the_pods_our_agent_enrolled() {
                 "istiod's {ns}/{name}: {w:#?}"
             );
         }
-        assert_istiod_agrees_with_the_agent(mesh).await;
+        mesh.assert_istiod_agrees_with_the_agent().await;
 
         // Out of the mesh by namespace label: our annotation goes, istiod follows; and back.
         label_namespace(node, "amb", false).await;
@@ -249,7 +202,7 @@ fn istiod_lists_as_hbone_exactly_the_pods_our_agent_enrolled() {
         }
         let took = wait_istiod_hbone(mesh, &all, &all[..2]).await;
         eprintln!("namespace back in the mesh: istiod followed our annotation in {took:?}");
-        assert_istiod_agrees_with_the_agent(mesh).await;
+        mesh.assert_istiod_agrees_with_the_agent().await;
 
         // One pod delete through kubelet (terminal phase, then the object goes): one ZDS Del.
         let before = deletes_processed(mesh).await;
@@ -274,7 +227,7 @@ fn istiod_lists_as_hbone_exactly_the_pods_our_agent_enrolled() {
         let dels = since.iter().filter(|e| **e == format!("del {a2}")).count();
         assert_eq!(dels, 1, "ZDS Dels for one pod delete: {since:?}");
         wait_istiod_hbone(mesh, &all, &all[..1]).await;
-        assert_istiod_agrees_with_the_agent(mesh).await;
+        mesh.assert_istiod_agrees_with_the_agent().await;
     });
 }
 
@@ -335,10 +288,10 @@ fn a_pod_whose_enrollment_failed_closed_is_not_in_the_mesh_until_ztunnel_is_back
         assert_ne!(annotation(&late, REDIRECTION).as_deref(), Some("enabled"));
         let k = [key("closed", "late")];
         assert!(
-            istiod_hbone(mesh, &k).await.unwrap().is_empty(),
+            mesh.istiod_hbone(&k).await.unwrap().is_empty(),
             "istiod lists a pod that never started as HBONE"
         );
-        assert_istiod_agrees_with_the_agent(mesh).await;
+        mesh.assert_istiod_agrees_with_the_agent().await;
 
         // The peer back: kubelet's next try enrolls it, istiod follows.
         drop(back);
@@ -347,7 +300,7 @@ fn a_pod_whose_enrollment_failed_closed_is_not_in_the_mesh_until_ztunnel_is_back
         wait_redirection(node, "closed", "late", Some("enabled")).await;
         assert_eq!(witness(node, "closed", "late"), "REDIRECTED");
         wait_istiod_hbone(mesh, &k, &k).await;
-        assert_istiod_agrees_with_the_agent(mesh).await;
+        mesh.assert_istiod_agrees_with_the_agent().await;
     });
 }
 
@@ -421,7 +374,7 @@ fn istiod_down_neither_fails_the_agent_nor_starts_pods_unredirected() {
         ]);
         let k = [key("nod", "while-down")];
         wait_istiod_hbone(mesh, &k, &k).await;
-        assert_istiod_agrees_with_the_agent(mesh).await;
+        mesh.assert_istiod_agrees_with_the_agent().await;
     });
 }
 

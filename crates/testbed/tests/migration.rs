@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use testbed::migrate::{
     ISTIO_IMAGE, ON_DELETE, agent_pod, agent_pod_image, agent_pods, get_agent_pods, helm_cni_run,
-    helm_cni_with, install_peer, netns_exec, node_rules, peer_workloads, pod_rules, redirected_now,
-    replace_agent_pod, wait_peer_has,
+    helm_cni_with, host_state, install_peer, netns_exec, node_rules, peer_workloads, pod_rules,
+    redirected_now, replace_agent_pod, wait_peer_has,
 };
 use testbed::real_node::{
     CONFLIST, GATEWAY, Node, REDIRECTION, RealNode, annotation, create, get, label_namespace,
@@ -456,71 +456,6 @@ fn witness_pod_to(name: &str, gateway: &str) -> serde_json::Value {
         testbed::real_node::witness_script(gateway)
     );
     testbed::real_node::busybox_pod(name, &["sh", "-c", &script])
-}
-
-/// The node's netns, as the machine sees it.
-fn node_netns(node: Node<'_>) -> std::path::PathBuf {
-    format!("/proc/{}/ns/net", node.holder_pid()).into()
-}
-
-/// What of either agent is on the node besides the pods: host chains (both iptables variants),
-/// nftables tables, ipsets, policy routing rules, and files.
-fn host_state(node: Node<'_>) -> BTreeMap<&'static str, String> {
-    let ns = node_netns(node);
-    let rules = node_rules(node);
-    let istio_lines = |s: &str| {
-        s.lines()
-            .filter(|l| l.contains("ISTIO") || l.contains("istio"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let mut out = BTreeMap::new();
-    out.insert("iptables-nft", istio_lines(&rules.nft));
-    out.insert("iptables-legacy", istio_lines(&rules.legacy));
-    out.insert(
-        "nft tables",
-        istio_lines(&netns_exec(&ns, "nft", &["list", "tables"])),
-    );
-    out.insert(
-        "ipsets",
-        istio_lines(&netns_exec(&ns, "ipset", &["list", "-n"])),
-    );
-    out.insert("ip rules", netns_exec(&ns, "ip", &["rule", "list"]));
-    out.insert(
-        "ip rules v6",
-        netns_exec(&ns, "ip", &["-6", "rule", "list"]),
-    );
-    out.insert(
-        "route table 100",
-        netns_exec(&ns, "ip", &["route", "show", "table", "all"])
-            .lines()
-            .filter(|l| l.contains("table 100"))
-            .collect::<Vec<_>>()
-            .join("\n"),
-    );
-    out.insert("/etc/cni/net.d", ls(node, "/etc/cni/net.d"));
-    out.insert("/opt/cni/bin/istio-cni", ls(node, "/opt/cni/bin/istio-cni"));
-    // Istio's plugin writes every record into istio-cni.log there and Istio's uninstall leaves
-    // it; it is Istio's file (ours writes it only with records the agent could not take, and
-    // never without Istio having written it first here), so it is not counted.
-    out.insert(
-        "/run/istio-cni",
-        ls(node, "/run/istio-cni")
-            .lines()
-            .filter(|l| *l != "istio-cni.log")
-            .collect::<Vec<_>>()
-            .join("\n"),
-    );
-    out
-}
-
-fn ls(node: Node<'_>, path: &str) -> String {
-    let out = node.try_script(&["exec", "ls", "-A", path]);
-    if out.status.success() {
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    } else {
-        String::new()
-    }
 }
 
 /// What is in a pod's network namespace of either agent: iptables `ISTIO_*` chains and rules in
