@@ -430,6 +430,79 @@ async fn a_pod_whose_ip_changes_moves_its_probe_entry() {
     }
 }
 
+/// The probe set entries of pods the agent did not see leave (churn, pass 6 of a loaded CI run):
+/// a pod deleted while no agent ran loses its entry at the restore even though another enrolled
+/// pod has no IP in the API yet (an ADD cut short by the agent's kill leaves it so), and that pod,
+/// retried by the runtime in a new sandbox with a new address, loses the entry of its first
+/// sandbox too when it is deleted. Both stayed for good before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_entries_of_pods_deleted_or_resandboxed_while_no_agent_ran_go() {
+    dataplane::require_root!();
+    let mut node = TestNode::start(Backend::Nftables).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let set = |node: &TestNode| {
+        node.node_netns.exec(
+            "nft",
+            &[
+                "list",
+                "set",
+                "inet",
+                "istio-ambient-nat",
+                "istio-inpod-probes-v4",
+            ],
+        )
+    };
+    let (gone, result) = node.create_pod("mesh", "gone", &[]).await;
+    result.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    // Enrolled, but the kubelet has not posted its IP.
+    let mut cut = node.create_pod_object("mesh", "cut", &[]).await;
+    let prev = node.sandbox_add_primary(&cut).await.unwrap();
+    node.sandbox_add_ours(&cut, prev)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    let before = set(&node);
+    assert!(
+        before.contains(&gone.uid) && before.contains(&cut.uid),
+        "{before}"
+    );
+
+    node.kill_agent();
+    node.delete_pod(&gone).await;
+    node.start_agent();
+    node.wait_ready().await;
+    let after = set(&node);
+    assert!(
+        !after.contains(&gone.uid) && after.contains(&cut.uid),
+        "the restore kept the entry of a deleted pod, or dropped one of a pod without its IP \
+         yet:\n{after}\n{}",
+        node.agent_log()
+    );
+
+    // The runtime retries the pod in a new sandbox: a new address, the first one's entry left.
+    let _ = node.sandbox_del(&cut, None).await;
+    cut.netns = dataplane::test_support::TestNetns::new("pod");
+    cut.container_id = format!("{}r", cut.container_id);
+    let prev = node.sandbox_add_primary(&cut).await.unwrap();
+    let result = node
+        .sandbox_add_ours(&cut, prev)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    node.report_running(&mut cut, &result).await;
+    node.wait_redirection(&cut, Some("enabled")).await;
+    node.delete_pod(&cut).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while set(&node).contains(&cut.uid) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the deleted pod's entries are not all gone:\n{}\n{}",
+            set(&node),
+            node.agent_log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 type PluginAdd = std::thread::JoinHandle<Result<Option<serde_json::Value>, String>>;
 
 /// Our plugin's part of the chain for `pod` (after the primary plugins' `prev`), on a thread as

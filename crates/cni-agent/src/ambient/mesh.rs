@@ -60,6 +60,8 @@ pub trait ProbeSet: Send + Sync + 'static {
     fn remove(&self, ip: IpAddr, uid: &str) -> Result<(), BoxError>;
     /// Deletes every entry whose IP is not in `keep`.
     fn prune(&self, keep: &HashSet<IpAddr>) -> Result<(), BoxError>;
+    /// Every entry: its address and the pod UID it is tagged with.
+    fn list(&self) -> Result<Vec<(IpAddr, String)>, BoxError>;
     /// Many upserts at once; one transaction where the backend has them.
     fn upsert_many(&self, entries: &[(IpAddr, String)]) -> Result<(), BoxError> {
         entries
@@ -676,7 +678,20 @@ impl Mesh {
         if is_delete {
             self.last_errors.forget(&uid);
         }
-        for ip in self.probe_ips.with_recorded(&uid, ips) {
+        // Also every entry tagged with the pod that this agent never recorded: one made for a
+        // sandbox the runtime replaced while no agent ran (an ADD cut short by the agent's kill,
+        // retried in a new sandbox with a new address) would otherwise stay for good.
+        let tagged = self.probes.list().map_err(|source| MeshError::ProbeSet {
+            pod: pod_name.clone(),
+            source,
+        })?;
+        let mut gone = self.probe_ips.with_recorded(&uid, ips);
+        for (ip, tag) in tagged {
+            if tag == uid && !gone.contains(&ip) {
+                gone.push(ip);
+            }
+        }
+        for ip in gone {
             self.probes
                 .remove(ip, &uid)
                 .map_err(|source| MeshError::ProbeSet {
@@ -745,7 +760,7 @@ impl Mesh {
         mut prechecked: Prechecks,
     ) {
         let mut keep = HashSet::new();
-        let mut complete = true;
+        let mut without_ips = HashSet::new();
         let mut wanted = HashMap::new();
         let mut entries = Vec::new();
         for pod in pods {
@@ -753,7 +768,9 @@ impl Mesh {
                 continue;
             };
             let f = super::cluster::facts(pod);
-            complete &= !f.ips.is_empty();
+            if f.ips.is_empty() {
+                without_ips.insert(uid.clone());
+            }
             for ip in &f.ips {
                 let ip = ip.to_canonical();
                 keep.insert(ip);
@@ -779,13 +796,24 @@ impl Mesh {
             if let Err(e) = self.upsert_probes(entries).await {
                 tracing::warn!(error = %e, "cannot restore the probe set entries of enrolled pods");
             }
-            if complete {
-                let probes = self.probes.clone();
-                if let Err(e) = on_thread(move || probes.prune(&keep)).await {
-                    tracing::warn!(error = %e, "cannot prune the probe set");
-                }
-            } else {
-                tracing::info!("some enrolled pods have no IPs yet; not pruning the probe set");
+            // An enrolled pod whose IP is not in the API yet keeps the entries tagged with it;
+            // any other entry is of a pod deleted while no agent ran, and goes. (Pruning nothing
+            // while one pod lacked its IP, as an ADD cut short by the agent's kill leaves it, kept
+            // the entries of pods deleted meanwhile for good.)
+            let probes = self.probes.clone();
+            let pruned = on_thread(move || {
+                let mut keep = keep;
+                keep.extend(
+                    probes
+                        .list()?
+                        .into_iter()
+                        .filter(|(_, uid)| without_ips.contains(uid))
+                        .map(|(ip, _)| ip),
+                );
+                probes.prune(&keep)
+            });
+            if let Err(e) = pruned.await {
+                tracing::warn!(error = %e, "cannot prune the probe set");
             }
         };
         let started = Instant::now();

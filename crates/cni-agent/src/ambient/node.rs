@@ -419,22 +419,26 @@ impl ProbeSet for NodeDataplane {
         Ok(Some(state))
     }
 
-    fn missing(&self, want: &[(IpAddr, String)]) -> Result<Vec<(IpAddr, String)>, BoxError> {
-        let present: HashSet<(IpAddr, String)> = match &self.backend {
+    fn list(&self) -> Result<Vec<(IpAddr, String)>, BoxError> {
+        Ok(match &self.backend {
             Backend::Iptables { .. } => {
                 let sets = dataplane::host::ProbeSet { host: &self.host };
-                let mut present = HashSet::new();
+                let mut entries = Vec::new();
                 for f in self.families() {
-                    present.extend(sets.list(f)?);
+                    entries.extend(sets.list(f)?);
                 }
-                present
+                entries
             }
             Backend::Nftables { host, sock, .. } => ProbeSets { ipv6: host.ipv6 }
                 .list(sock)?
                 .into_iter()
                 .map(|e| (e.ip, e.pod_uid))
                 .collect(),
-        };
+        })
+    }
+
+    fn missing(&self, want: &[(IpAddr, String)]) -> Result<Vec<(IpAddr, String)>, BoxError> {
+        let present: HashSet<(IpAddr, String)> = self.list()?.into_iter().collect();
         Ok(want
             .iter()
             .map(|(ip, uid)| (ip.to_canonical(), uid.clone()))
