@@ -294,6 +294,7 @@ fn spawn_drift_checks(
     stopped: impl Future<Output = ()> + Send + 'static,
 ) -> tokio::task::JoinHandle<()> {
     host_ready.set(true);
+    mesh.export_drift_repairs();
     tokio::spawn(async move {
         tokio::pin!(stopped);
         loop {

@@ -1074,12 +1074,27 @@ impl Mesh {
         self.report_repair(pod, result)
     }
 
-    fn count_drift_repair(&self, scope: &'static str) {
-        let label = DriftLabel {
+    fn drift_label(&self, scope: &'static str) -> DriftLabel {
+        DriftLabel {
             backend: self.rules.backend().to_string(),
             scope,
-        };
+        }
+    }
+
+    fn count_drift_repair(&self, scope: &'static str) {
+        let label = self.drift_label(scope);
         self.metrics.drift_repairs.get_or_create(&label).inc();
+    }
+
+    /// Exports both scopes' repair counts at 0 before the first drift check: an alert's
+    /// `increase()` sees the first repair only on a series that existed before it.
+    pub fn export_drift_repairs(&self) {
+        for scope in ["pod", "host"] {
+            let _ = self
+                .metrics
+                .drift_repairs
+                .get_or_create(&self.drift_label(scope));
+        }
     }
 
     /// Beyond Istio, the host side under the same drift repair as pods: a firewall reload or a

@@ -45,6 +45,18 @@ fn namespace_and_name(pod: &Pod) -> (String, String) {
 }
 
 impl Actions {
+    /// Exports the configured action's `success` and `fail` counts at 0 from the start, so a
+    /// dashboard has a series to show before the first repair (and `increase()` sees a first
+    /// repair made after the first scrape).
+    pub fn export_counts(&self) {
+        for result in [SUCCESS, FAIL] {
+            let _ = self.metrics.get_or_create(&RepairLabels {
+                r#type: self.cfg.action.metric_type().into(),
+                result: result.into(),
+            });
+        }
+    }
+
     fn count(&self, action: RepairAction, result: &str) {
         self.metrics
             .get_or_create(&RepairLabels {

@@ -161,6 +161,7 @@ impl RepairController {
     pub fn from_setup(setup: super::RepairSetup, metrics: Family<RepairLabels, Counter>) -> Self {
         let mut c = Self::new(setup.cfg, setup.client, metrics);
         c.actions.in_place = setup.in_place;
+        c.actions.export_counts();
         c
     }
 

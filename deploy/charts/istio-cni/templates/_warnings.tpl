@@ -87,7 +87,7 @@ to `out.lines`. Inside the maps with a fixed set of keys it looks one level down
 which a values file shared by all of them carries, are not reported.
 */}}
 {{- define "istio-cni.unknownKeys" -}}
-{{- $fixed := list "ambient" "repair" "resourceQuotas" "logging" -}}
+{{- $fixed := list "ambient" "repair" "resourceQuotas" "logging" "monitoring" "podMonitor" "prometheusRule" "dashboard" -}}
 {{- $otherCharts := list "base" "defaultRevision" "revisionTags" "sidecarInjectorWebhook" "sidecarInjectorWebhookAnnotations" "istio_cni" "pilot" "meshConfig" "ztunnel" "gateways" "gatewayClasses" "istiodRemote" "telemetry" "experimental" "configMap" "trustedZtunnelNamespace" "trustedZtunnelName" -}}
 {{- $hints := dict
   "logLevel" "set `logging.level` (or `global.logging.level`)"
