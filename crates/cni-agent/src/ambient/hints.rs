@@ -21,8 +21,10 @@ pub struct NetnsHints {
     dir: PathBuf,
     /// When this agent started: hints written since are its own.
     since: std::time::SystemTime,
-    /// Hints that could not be written (full run dir): uid → path, written again later, so a
-    /// pod enrolled while the disk was full is still found without /proc after a restart.
+    /// Hints that could not be written (full run dir): uid → path, written again at the next
+    /// drift check, so a pod enrolled while the disk was full is still found without /proc by an
+    /// agent started after that. They live in this agent's memory only: one killed before then
+    /// takes them along, and the next agent finds those pods under /proc alone.
     unwritten: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
 }
 

@@ -34,6 +34,8 @@ struct Pod {
     result: Option<Value>,
     /// The sandbox's chain had our plugin and succeeded: it must be redirected.
     meshed: bool,
+    /// The agent incarnation its ADD went to.
+    added_by: u64,
 }
 
 pub struct EmulatedNode {
@@ -138,6 +140,7 @@ impl EmulatedNode {
         }
         let runtime = self.node.runtime();
         let chained = runtime.position(ISTIO_CNI).is_some();
+        let incarnation = self.incarnation;
         let mut entry = self.pods.remove(name).expect("pod known");
         let outcome = {
             let add = self.node.sandbox_add_on(&mut entry.pod, runtime);
@@ -166,6 +169,7 @@ impl EmulatedNode {
             Ok(result) => {
                 entry.result = Some(result);
                 entry.meshed = chained;
+                entry.added_by = incarnation;
                 if chained {
                     AddOutcome::Added
                 } else {
@@ -215,6 +219,28 @@ impl EmulatedNode {
         Ok(())
     }
 
+    /// A pod the agent can find again only under /proc: the run dir was full at its ADD, so its
+    /// netns hint waited in the memory of an agent that was restarted before it could write it.
+    /// The emulated node's pods have no process, so every later agent keeps it for ztunnel
+    /// without a namespace (a ZDS Keep, as Istio does for a pod it cannot find), and a ztunnel
+    /// that restarts since never learns it. A real node's pods have processes: the restart finds
+    /// them under /proc and hands them over with their namespaces.
+    fn found_only_under_proc(&self, p: &Pod) -> bool {
+        p.added_by != self.incarnation
+            && !self.node.path(&format!("run/netns/{}", p.pod.uid)).exists()
+    }
+
+    /// Whether the agent named the pod a Keep in the peer's current stream.
+    fn peer_kept(&self, uid: &str) -> bool {
+        let st = self.peer().status();
+        let since = st
+            .log
+            .iter()
+            .rposition(|e| e == "connect")
+            .map_or(0, |i| i + 1);
+        st.log[since..].iter().any(|e| *e == format!("keep {uid}"))
+    }
+
     /// The host probe set as text (nftables set elements or ipset entries, with their UIDs).
     fn probe_set(&self) -> String {
         let ns = &self.node.node_netns.name;
@@ -259,7 +285,9 @@ impl EmulatedNode {
             if let Err(e) = self.verify_rules(&p.pod) {
                 bad.push(e);
             }
-            if let Err(e) = self.peer_holds(&p.pod) {
+            if let Err(e) = self.peer_holds(&p.pod)
+                && !(self.found_only_under_proc(p) && self.peer_kept(&p.pod.uid))
+            {
                 bad.push(e);
             }
             if !probes.contains(&p.pod.uid) {
@@ -343,6 +371,7 @@ impl ChurnNode for EmulatedNode {
                 pod,
                 result: None,
                 meshed: false,
+                added_by: 0,
             },
         );
         self.add(name, kill_agent_after).await
