@@ -280,6 +280,10 @@ async fn istioctl_ztunnel_config_lists_our_enrolled_pods_hbone() {
     let _one = ONE_NODE.lock().await;
     let mesh = Mesh::up(true).await;
     let node = &mesh.node;
+    assert!(
+        node.has_real_ztunnel(),
+        "ZTUNNEL_BIN is set but the node's images have no ztunnel.tar"
+    );
     node.namespace("mesh", true).await;
     node.namespace("plain", false).await;
     create(node, "mesh", busybox_pod("enrolled", &["sleep", "3600"])).await;
@@ -295,7 +299,9 @@ async fn istioctl_ztunnel_config_lists_our_enrolled_pods_hbone() {
     };
     let table = node
         .eventually("ztunnel lists both pods", Duration::from_secs(60), || {
-            let table = istioctl_ok(node, &["ztunnel-config", "workloads"]);
+            // ztunnel's admin port answers once ztunnel is up: until then, retried.
+            let out = run_istioctl(node, &["ztunnel-config", "workloads"]);
+            let table = String::from_utf8_lossy(&out.stdout).into_owned();
             async move {
                 (protocol(&table, "mesh", "enrolled").is_some()
                     && protocol(&table, "plain", "outside").is_some())
