@@ -166,29 +166,9 @@ pub struct TestNode {
     /// Where the running agent's lines begin in `agent.log`.
     agent_log_start: u64,
     kubelet: Option<Child>,
-    api_forwarder: std::net::TcpListener,
-}
-
-/// Plugins run in the node namespace (as on a node, where they run in the host's) but the API
-/// server listens on the test's loopback: forward the node's `127.0.0.1:port` to it. The outbound
-/// connection is made from this (test) namespace, the listener lives in the node's.
-fn forward_loopback(node: &TestNetns, port: u16) -> std::net::TcpListener {
-    let listener = node
-        .open()
-        .run(|| std::net::TcpListener::bind(("127.0.0.1", port)))
-        .unwrap()
-        .expect("listener in the node namespace");
-    let accept = listener.try_clone().unwrap();
-    std::thread::spawn(move || {
-        for conn in accept.incoming() {
-            let Ok(down) = conn else { return };
-            let Ok(up) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-                continue;
-            };
-            let _ = crate::relay::relay(down, up);
-        }
-    });
-    listener
+    /// Plugins run in the node namespace (as on a node, where they run in the host's) but the API
+    /// server listens on the test's loopback: the node's `127.0.0.1:<api port>` is forwarded to it.
+    _api_forwarder: crate::relay::LoopbackForward,
 }
 
 /// The nftables host rule matches kubelet's UID, found from a process named kubelet.
@@ -309,7 +289,7 @@ impl TestNode {
         let kubelet = (backend == Backend::Nftables).then(|| fake_kubelet(d));
 
         let node_netns = TestNetns::new("node");
-        let api_forwarder = forward_loopback(&node_netns, api_port);
+        let api_forwarder = crate::relay::forward_loopback(&node_netns.open(), api_port);
         let health_port = match options.agent {
             Agent::Ours => crate::ports::unused(),
             Agent::Istio(_) => crate::istio_agent::READINESS_PORT,
@@ -320,7 +300,7 @@ impl TestNode {
             api_port,
             run_dir_tmpfs: options.run_dir_tmpfs.is_some(),
             node_netns,
-            api_forwarder,
+            _api_forwarder: api_forwarder,
             node_name: format!("node-{}", std::process::id()),
             health_port,
             metrics_port: crate::ports::unused(),
@@ -1012,11 +992,6 @@ fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
 impl Drop for TestNode {
     fn drop(&mut self) {
         self.kill_agent();
-        // Wakes the forwarder's accept loop so its thread ends.
-        let _ = nix::sys::socket::shutdown(
-            std::os::fd::AsRawFd::as_raw_fd(&self.api_forwarder),
-            nix::sys::socket::Shutdown::Both,
-        );
         if let Some(mut k) = self.kubelet.take() {
             let _ = k.kill();
             let _ = k.wait();

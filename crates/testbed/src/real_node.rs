@@ -294,6 +294,14 @@ impl RealNode {
         self.node(1).read(path)
     }
 
+    /// `127.0.0.1:port` of the test's loopback (a registry there) at the same address inside
+    /// node 1, for its containerd's pulls and its helm: the node's network namespace has no route
+    /// to the machine's loopback. Lasts until the returned forward is dropped.
+    pub fn forward_loopback(&self, port: u16) -> crate::relay::LoopbackForward {
+        let netns = self.netns.lock().unwrap();
+        crate::relay::forward_loopback(netns.as_ref().expect("the node is running"), port)
+    }
+
     /// Creates namespace `name`, in the ambient mesh or not.
     pub async fn namespace(&self, name: &str, ambient: bool) {
         let mut labels = std::collections::BTreeMap::new();

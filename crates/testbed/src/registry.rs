@@ -91,6 +91,24 @@ impl Registry {
         format!("127.0.0.1:{}", self.port)
     }
 
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Where the registry stores blob (or manifest) `digest` (`sha256:<hex>`): the bytes it serves
+    /// for that digest, read from this file at each request.
+    pub fn blob_path(&self, digest: &str) -> PathBuf {
+        let hex = digest
+            .strip_prefix("sha256:")
+            .unwrap_or_else(|| panic!("not a sha256 digest: {digest}"));
+        self.dir
+            .path()
+            .join("data/docker/registry/v2/blobs/sha256")
+            .join(&hex[..2])
+            .join(hex)
+            .join("data")
+    }
+
     /// A plain GET's whole response, or None if nothing answers.
     fn get(&self, path: &str) -> Option<String> {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).ok()?;

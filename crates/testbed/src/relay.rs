@@ -1,14 +1,18 @@
 //! The test kit's TCP relay: copies bytes both ways between two connected streams until each side
 //! has sent its end of stream. Used by the pod proxy (captured connection → original destination)
-//! and by the node's loopback forwarder (node namespace → test API server).
+//! and by the loopback forwarders ([`forward_loopback`]: a test node's namespace → the test API
+//! server, the real node's → a test registry).
 //!
 //! Both legs get `TCP_NODELAY`: the relay writes each read at once, so with Nagle a small reply
 //! that follows an unacknowledged small write waits for the peer's delayed ACK (≈ 40 ms on Linux),
 //! and every request/response exchange through the relay stalled that long.
 
 use std::io;
-use std::net::{Shutdown, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::thread::JoinHandle;
+
+use dataplane::netns::Netns;
 
 /// Starts relaying between `a` and `b`. `TCP_NODELAY` is set on both before any byte moves; the
 /// returned thread ends once both directions are closed.
@@ -26,6 +30,40 @@ pub fn relay(a: TcpStream, b: TcpStream) -> io::Result<JoinHandle<()>> {
         let _ = a_write.shutdown(Shutdown::Write);
         let _ = up.join();
     }))
+}
+
+/// `127.0.0.1:port` inside network namespace `ns`, relayed to the same address in the caller's
+/// namespace: the listener is made in `ns`, each outbound connection in the caller's (a socket
+/// keeps the namespace it was made in). Stops accepting once dropped.
+pub struct LoopbackForward {
+    listener: TcpListener,
+}
+
+/// Starts forwarding `127.0.0.1:port` of `ns` to the caller's `127.0.0.1:port`.
+pub fn forward_loopback(ns: &Netns, port: u16) -> LoopbackForward {
+    let listener = ns
+        .run(|| TcpListener::bind(("127.0.0.1", port)))
+        .expect("enter the namespace")
+        .unwrap_or_else(|e| panic!("listen on 127.0.0.1:{port} in the namespace: {e}"));
+    let accept = listener.try_clone().unwrap();
+    std::thread::spawn(move || {
+        for conn in accept.incoming() {
+            let Ok(down) = conn else { return };
+            let Ok(up) = TcpStream::connect(("127.0.0.1", port)) else {
+                continue;
+            };
+            let _ = relay(down, up);
+        }
+    });
+    LoopbackForward { listener }
+}
+
+impl Drop for LoopbackForward {
+    fn drop(&mut self) {
+        // Wakes the accept loop (its clone of the socket) so its thread ends.
+        let _ =
+            nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+    }
 }
 
 #[cfg(test)]
