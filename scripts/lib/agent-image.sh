@@ -130,7 +130,8 @@ netfilter_tools() {
 }
 
 # The `oci-archive` arguments, one a line, of the agent image as the Dockerfile lays it out: our
-# static binaries from `$1` (checked static and packed), the netfilter tools of `$2`/`$3`. The
+# static binaries from `$1` (checked static and packed), the netfilter tools of `$2`/`$3` and the
+# os-release of their distribution. The
 # installer copies every regular file of /opt/cni/bin to the host.
 agent_image_args() {
   local bindir=$1 root=$2 triplet=$3 found
@@ -143,6 +144,10 @@ agent_image_args() {
   printf -- '--file\n/usr/local/bin/install-cni=%s\n--file\n/opt/cni/bin/istio-cni=%s\n' \
     "$bindir/install-cni" "$bindir/istio-cni"
   printf '%s\n' "$found"
+  # Which distribution the netfilter tools are from (base-files' os-release): what an SBOM or
+  # vulnerability scanner names their packages by.
+  [ -e "$root/etc/os-release" ] || { echo "$me: no $root/etc/os-release (Debian's base-files)" >&2; exit 1; }
+  printf -- '--file\n/etc/os-release=%s\n' "$root/etc/os-release"
   printf -- '--dir\n/tmp=1777\n--env\nPATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/opt/cni/bin\n'
   printf -- '--workdir\n/opt/cni/bin\n--entrypoint\n["install-cni"]\n'
 }

@@ -8,13 +8,19 @@
 //! dry (it probes the image's iptables). qemu-user refuses `NETLINK_NETFILTER` sockets
 //! (EPROTONOSUPPORT: our nftables backend, iptables-nft), has no `IPT_SO_*` socket options
 //! (iptables-legacy) and no `NS_GET_NSTYPE` ioctl (how the agent checks a netns file). That needs
-//! an arm64 kernel: an arm64 machine, or qemu-system. Nothing is timed here: qemu is slow by
-//! design.
+//! an arm64 kernel: `scripts/arm64-vm` boots Debian's arm64 kernel under qemu-system-aarch64 with
+//! the arm64 image as its root, and there both backends apply, verify and remove their rules in
+//! network namespaces; the rules read back must equal those the amd64 image programs here.
+//! Nothing is timed here: qemu is slow by design.
+//!
+//! The same release's SBOMs list what went into it: each binary's every crate (as `cargo tree`
+//! resolves it for the binary's target) and each image's every Debian package (each package
+//! that owns a file of the image, by this machine's dpkg, with the version the image records).
 //!
 //! The release comes from `RELEASE_DIST` (a `scripts/release` output directory) or is built
 //! here with `--allow-dirty` into a temp dir.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -185,15 +191,266 @@ fn in_image(root: &Path, env: &[(&str, &str)], argv: &[&str]) -> Output {
     cmd.output().unwrap()
 }
 
-#[test]
-fn arm64_image_runs_the_agent_and_plugin_as_the_amd64_image_does() {
-    require_root!();
-    if !qemu_ready() {
+/// `(name, version)` of every component of CycloneDX SBOM `file` of `dist` whose purl starts
+/// with `purl`.
+fn sbom_components(dist: &Path, file: &str, purl: &str) -> BTreeSet<(String, String)> {
+    let text = std::fs::read_to_string(dist.join(file))
+        .unwrap_or_else(|e| panic!("{file}: {e} (scripts/release writes it)"));
+    let bom: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(bom["bomFormat"], "CycloneDX", "{file}");
+    bom["components"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{file} has no components"))
+        .iter()
+        .filter(|c| c["purl"].as_str().is_some_and(|p| p.starts_with(purl)))
+        .map(|c| {
+            let s = |k: &str| c[k].as_str().unwrap().to_string();
+            (s("name"), s("version"))
+        })
+        .collect()
+}
+
+/// The crates linked into package `pkg` built for `target` (`cargo tree -e normal,no-proc-macro`:
+/// a proc macro and its crates run in the compiler, on the build machine), as `(name, version)`.
+fn cargo_tree(pkg: &str, target: &str) -> BTreeSet<(String, String)> {
+    let out = ok(
+        "cargo tree",
+        Command::new(env!("CARGO"))
+            .args([
+                "tree",
+                "--locked",
+                "-e",
+                "normal,no-proc-macro",
+                "--prefix",
+                "none",
+                "--format",
+                "{p}",
+            ])
+            .args(["-p", pkg, "--target", target])
+            .current_dir(repo())
+            .output()
+            .unwrap(),
+    );
+    out.lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let (name, version) = (w.next()?, w.next()?.strip_prefix('v')?);
+            (name != pkg).then(|| (name.to_string(), version.to_string()))
+        })
+        .collect()
+}
+
+/// The Debian packages an image records (`/var/lib/dpkg/status.d`), as `(name, version)`.
+fn recorded_packages(root: &Path) -> BTreeSet<(String, String)> {
+    std::fs::read_dir(root.join("var/lib/dpkg/status.d"))
+        .expect("the image records its Debian packages in /var/lib/dpkg/status.d")
+        .map(|e| {
+            let text = std::fs::read_to_string(e.unwrap().path()).unwrap();
+            let field = |k: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(k).map(|v| v.trim().to_string()))
+                    .unwrap_or_else(|| panic!("a status.d entry without {k}\n{text}"))
+            };
+            (field("Package:"), field("Version:"))
+        })
+        .collect()
+}
+
+/// Every file of the image at `root` that is not ours nor a package record: what Debian's
+/// packages put there.
+fn debian_files(root: &Path) -> Vec<String> {
+    let out = ok(
+        "find",
+        Command::new("find")
+            .arg(root)
+            .args(["-type", "f", "-printf", "/%P\\n"])
+            .output()
+            .unwrap(),
+    );
+    out.lines()
+        .filter(|p| {
+            ![
+                "/usr/local/bin/",
+                "/opt/cni/bin/",
+                "/var/lib/dpkg/",
+                "/usr/share/doc/",
+            ]
+            .iter()
+            .any(|d| p.starts_with(d))
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+fn sboms_list_what_was_built(dist: &Path, roots: &BTreeMap<String, PathBuf>) {
+    let version = std::fs::read_dir(dist)
+        .unwrap()
+        .find_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            Some(name.strip_prefix("cni-")?.strip_suffix(".tgz")?.to_string())
+        })
+        .expect("the release's chart cni-<version>.tgz");
+    let mut names_per_arch = BTreeMap::new();
+    for (arch, target) in [
+        ("amd64", "x86_64-unknown-linux-musl"),
+        ("arm64", "aarch64-unknown-linux-musl"),
+    ] {
+        for (bin, pkg) in [("install-cni", "cni-agent"), ("istio-cni", "cni-plugin")] {
+            let file = format!("{bin}-{version}-linux-{arch}.cdx.json");
+            let listed = sbom_components(dist, &file, "pkg:cargo/");
+            let built = cargo_tree(pkg, target);
+            let missing: Vec<_> = built.difference(&listed).collect();
+            assert!(
+                missing.is_empty(),
+                "{file} lacks crates built into {bin}: {missing:?}"
+            );
+        }
+
+        let file = format!("install-cni-{version}-image-linux-{arch}.cdx.json");
+        let listed = sbom_components(dist, &file, "pkg:deb/");
+        let recorded = recorded_packages(&roots[arch]);
+        assert_eq!(
+            listed, recorded,
+            "{file} (left) and the image's records (right)"
+        );
+        names_per_arch.insert(
+            arch,
+            recorded
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect::<BTreeSet<_>>(),
+        );
+    }
+    // Every Debian file of the amd64 image belongs to a recorded package, by this machine's dpkg
+    // (the release downloads this machine's Debian's packages); arm64's are the same packages.
+    let files = debian_files(&roots["amd64"]);
+    assert!(
+        files.iter().any(|f| f.ends_with("/xtables-nft-multi")),
+        "{files:?}"
+    );
+    let owners = ok(
+        "dpkg -S",
+        Command::new("dpkg")
+            .arg("-S")
+            .args(&files)
+            .output()
+            .unwrap(),
+    );
+    for line in owners.lines() {
+        let (pkgs, path) = line.split_once(": ").unwrap();
+        assert!(
+            pkgs.split(", ")
+                .map(|p| p.split(':').next().unwrap())
+                .any(|p| names_per_arch["amd64"].contains(p)),
+            "{path} of the amd64 image belongs to {pkgs}, which its SBOM does not list"
+        );
+    }
+    assert_eq!(names_per_arch["amd64"], names_per_arch["arm64"]);
+}
+
+/// Each backend in a network namespace of its own under `$NS`: apply, verify, remove, the
+/// namespace's rules read back after each (comment lines carry the time).
+const RULES_SCRIPT: &str = r#"
+for b in nftables iptables; do
+  touch "$NS/$b" && unshare --net="$NS/$b" true
+  for a in apply verify remove; do
+    install-cni dataplane inpod $a --netns "$NS/$b" --backend $b >"$NS/out" 2>&1
+    echo "== $b $a: exit $?"
+    [ $a = verify ] && cat "$NS/out"
+    if [ $b = nftables ]; then
+      nsenter --net="$NS/$b" nft list ruleset
+    else
+      nsenter --net="$NS/$b" iptables-nft-save | grep -v '^#'
+      nsenter --net="$NS/$b" iptables-legacy-save | grep -v '^#'
+    fi
+  done
+done
+echo "== rules end"
+"#;
+
+/// The output of [`RULES_SCRIPT`] between its first `==` line and its end, kernel messages left out.
+fn rules_part(console: &str) -> String {
+    let start = console
+        .find("== nftables apply")
+        .unwrap_or_else(|| panic!("no rules in:\n{console}"));
+    let end = console
+        .find("== rules end")
+        .unwrap_or_else(|| panic!("rules cut short:\n{console}"));
+    console[start..end]
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('['))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// The rules both backends program, read back on an arm64 kernel (`scripts/arm64-vm`:
+/// qemu-system-aarch64 booting Debian's arm64 kernel with the arm64 image as its root), equal
+/// to those the amd64 image's agent programs here, in namespaces of this test's own.
+fn arm64_kernel_gets_the_amd64_rules(roots: &BTreeMap<String, PathBuf>) {
+    if Command::new("qemu-system-aarch64")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        if std::env::var_os("CI").is_some() {
+            panic!("qemu-system-aarch64 missing: scripts/setup installs qemu-system-arm");
+        }
+        eprintln!(
+            "SKIPPED: qemu-system-aarch64 is not installed (apt-get install qemu-system-arm)"
+        );
         return;
     }
+    let tmp = tempfile::tempdir().unwrap();
+    let script = tmp.path().join("rules.sh");
+    std::fs::write(&script, format!("NS=/run/netns\n{RULES_SCRIPT}")).unwrap();
+    let vm = ok(
+        "scripts/arm64-vm",
+        Command::new(repo().join("scripts/arm64-vm"))
+            .arg(&roots["arm64"])
+            .arg(&script)
+            .output()
+            .unwrap(),
+    );
+    assert!(vm.contains("arm64-vm: aarch64 "), "{vm}");
+
+    // Here: the namespaces' files on a tmpfs of a private mount namespace, gone with it.
+    let ns = tmp.path().join("netns");
+    std::fs::create_dir(&ns).unwrap();
+    let path = format!(
+        "{}:{}",
+        roots["amd64"].join("usr/local/bin").display(),
+        std::env::var("PATH").unwrap()
+    );
+    let here = ok(
+        "the rules script here",
+        Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!("mount -t tmpfs netns \"$NS\" && {RULES_SCRIPT}"))
+            .env("NS", &ns)
+            .env("PATH", path)
+            .output()
+            .unwrap(),
+    );
+    assert!(here.contains("table inet istio-ambient-nat"), "{here}");
+    assert!(here.contains("-j REDIRECT --to-ports 15001"), "{here}");
+    assert_eq!(
+        rules_part(&vm),
+        rules_part(&here),
+        "the arm64 kernel's rules (left) and this machine's (right) differ"
+    );
+}
+
+#[test]
+fn release_sboms_list_what_was_built_and_its_arm64_image_runs_as_its_amd64_image_does() {
+    require_root!();
     let build = tempfile::tempdir().unwrap();
     let dist = release(&build);
     let roots = rootfs_per_platform(&dist, build.path());
+    sboms_list_what_was_built(&dist, &roots);
+    arm64_kernel_gets_the_amd64_rules(&roots);
+    if !qemu_ready() {
+        return;
+    }
     let run = |arch: &str, env: &[(&str, &str)], argv: &[&str]| {
         ok(
             &format!("{arch}: {argv:?}"),
