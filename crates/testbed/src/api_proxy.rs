@@ -2,12 +2,21 @@
 //! the plugin's kubeconfigs point at it instead of the server. It terminates TLS with the server's
 //! own certificate (so clients trusting the test CA accept it) and passes every request through,
 //! until told to answer every request with an error status (a 429 or 5xx burst, as an overloaded
-//! or restarting API server sends) or to reset every open connection (watches included).
-//! Connections speak HTTP/1.1 (the only ALPN offered), one request per connection while failing.
+//! or restarting API server sends), to answer slowly (every new connection waits before it is
+//! passed on), or to reset every open connection (watches included). Connections speak HTTP/1.1
+//! (the only ALPN offered), one request per connection while failing.
+//!
+//! [`ApiProxy::start`] fronts the test API server from the test's loopback;
+//! [`ApiProxy::serve`] takes its listener and its way to the server from the caller, so the real
+//! node's proxy listens and connects inside the node's network namespace.
 
-use std::net::SocketAddr;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -19,13 +28,21 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::kube::KubeTestEnv;
 
+/// Opens a connection to the API server.
+pub type Connect =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = std::io::Result<TcpStream>> + Send>> + Send + Sync>;
+
 struct Shared {
     /// `Some(status)`: every request is answered with it.
     failing: Mutex<Option<u16>>,
+    /// How long each new connection waits before it is passed on.
+    delay: Mutex<Option<Duration>>,
     /// Bumped to reset every open connection.
     generation: watch::Sender<u64>,
     rejected: AtomicU64,
-    upstream: SocketAddr,
+    connect: Connect,
+    /// The API server's address, as its certificate names it.
+    server: IpAddr,
     acceptor: TlsAcceptor,
     connector: TlsConnector,
 }
@@ -51,20 +68,44 @@ impl ApiProxy {
     /// Listens on a free port of 127.0.0.1 (inside a tokio runtime) and forwards to `kube`.
     pub async fn start(kube: &KubeTestEnv) -> ApiProxy {
         let (cert, key) = kube.serving_cert();
-        let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cert)
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = SocketAddr::from(([127, 0, 0, 1], kube.port()));
+        let connect: Connect = Arc::new(move || Box::pin(TcpStream::connect(upstream)));
+        Self::serve(
+            listener,
+            &cert,
+            &key,
+            &kube.ca_pem(),
+            upstream.ip(),
+            connect,
+        )
+    }
+
+    /// Serves `listener` (inside a tokio runtime) with the API server's certificate `cert` and
+    /// `key`, and forwards each connection over `connect` to the server at `server`, whose
+    /// certificate `ca_pem` signs.
+    pub fn serve(
+        listener: TcpListener,
+        cert: &Path,
+        key: &Path,
+        ca_pem: &[u8],
+        server: IpAddr,
+        connect: Connect,
+    ) -> ApiProxy {
+        let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
             .expect("API server certificate")
             .collect::<Result<_, _>>()
             .expect("API server certificate PEM");
-        let key = PrivateKeyDer::from_pem_file(&key).expect("API server key PEM");
-        let mut server = rustls::ServerConfig::builder_with_provider(provider())
+        let key = PrivateKeyDer::from_pem_file(key).expect("API server key PEM");
+        let mut tls = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .unwrap()
             .with_no_client_auth()
             .with_single_cert(chain, key)
             .expect("proxy TLS server config");
-        server.alpn_protocols = vec![b"http/1.1".to_vec()];
+        tls.alpn_protocols = vec![b"http/1.1".to_vec()];
         let mut roots = rustls::RootCertStore::empty();
-        for ca in CertificateDer::pem_slice_iter(&kube.ca_pem()) {
+        for ca in CertificateDer::pem_slice_iter(ca_pem) {
             roots.add(ca.expect("CA PEM")).unwrap();
         }
         let mut client = rustls::ClientConfig::builder_with_provider(provider())
@@ -74,14 +115,15 @@ impl ApiProxy {
             .with_no_client_auth();
         client.alpn_protocols = vec![b"http/1.1".to_vec()];
 
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let shared = Arc::new(Shared {
             failing: Mutex::new(None),
+            delay: Mutex::new(None),
             generation: watch::channel(0).0,
             rejected: AtomicU64::new(0),
-            upstream: SocketAddr::from(([127, 0, 0, 1], kube.port())),
-            acceptor: TlsAcceptor::from(Arc::new(server)),
+            connect,
+            server,
+            acceptor: TlsAcceptor::from(Arc::new(tls)),
             connector: TlsConnector::from(Arc::new(client)),
         });
         let task = tokio::spawn(accept_loop(listener, shared.clone()));
@@ -99,6 +141,12 @@ impl ApiProxy {
         if status.is_some() {
             self.reset_connections();
         }
+    }
+
+    /// From now on each new connection waits `delay` before it reaches the API server (`None`:
+    /// at once again): slow answers, as from an API server under load.
+    pub fn set_delay(&self, delay: Option<Duration>) {
+        *self.shared.delay.lock().unwrap() = delay;
     }
 
     /// Closes every open connection (an API server restart or a load balancer reset, seen from
@@ -141,10 +189,14 @@ async fn serve(down: TcpStream, shared: &Shared) {
         reject(&mut down, status).await;
         return;
     }
-    let Ok(up) = TcpStream::connect(shared.upstream).await else {
+    let delay = *shared.delay.lock().unwrap();
+    if let Some(delay) = delay {
+        tokio::time::sleep(delay).await;
+    }
+    let Ok(up) = (shared.connect)().await else {
         return;
     };
-    let name = ServerName::IpAddress(shared.upstream.ip().into());
+    let name = ServerName::IpAddress(shared.server.into());
     let Ok(mut up) = shared.connector.connect(name, up).await else {
         return;
     };

@@ -51,10 +51,15 @@ pub enum FaultKind {
     KubeletRestart,
     /// containerd stopped and started again (running containers keep running in their shims).
     ContainerdRestart,
+    /// Every new API connection waits seconds before it reaches the server, for a while.
+    ApiSlowAnswers,
+    /// Every open API connection is reset at once: watch streams cut mid-stream, requests in
+    /// flight lost.
+    ApiConnectionReset,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 15] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::AgentKill,
         FaultKind::AgentKillMidAdd,
         FaultKind::PeerRestart,
@@ -70,6 +75,8 @@ impl FaultKind {
         FaultKind::AgentPodDelete,
         FaultKind::KubeletRestart,
         FaultKind::ContainerdRestart,
+        FaultKind::ApiSlowAnswers,
+        FaultKind::ApiConnectionReset,
     ];
 
     /// Faults that stay active over cycles until healed; the others happen once. An ack
@@ -82,6 +89,7 @@ impl FaultKind {
                 | FaultKind::PeerAckTimeout
                 | FaultKind::PeerCrashOnAdd
                 | FaultKind::ApiErrorBurst
+                | FaultKind::ApiSlowAnswers
                 | FaultKind::ConflistRewriter
                 | FaultKind::DiskFull
         )
@@ -202,6 +210,9 @@ pub struct ChurnConfig {
     pub fault_percent: u64,
     /// A quiet point (all faults healed, full check) at least this often.
     pub quiet_every: u64,
+    /// The faults drawn (`None`: every one the node supports); a focused run, as the real
+    /// node's API fault test.
+    pub kinds: Option<Vec<FaultKind>>,
 }
 
 impl ChurnConfig {
@@ -212,6 +223,7 @@ impl ChurnConfig {
             population: 12,
             fault_percent: 20,
             quiet_every: 50,
+            kinds: None,
         }
     }
 }
@@ -395,9 +407,12 @@ pub async fn run<N: ChurnNode>(node: &mut N, cfg: &ChurnConfig) -> ChurnReport {
         seed: cfg.seed,
         ..ChurnReport::default()
     };
-    let (kinds, unsupported): (Vec<FaultKind>, Vec<FaultKind>) =
+    let (mut kinds, unsupported): (Vec<FaultKind>, Vec<FaultKind>) =
         FaultKind::ALL.into_iter().partition(|k| node.supports(*k));
     report.unsupported = unsupported;
+    if let Some(only) = &cfg.kinds {
+        kinds.retain(|k| only.contains(k));
+    }
     let weights: u64 = kinds.iter().map(|k| k.weight()).sum();
     // Lasting faults and the cycle they heal at.
     let mut active: BTreeMap<FaultKind, u64> = BTreeMap::new();

@@ -18,6 +18,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use dataplane::netns::Netns;
+
+use crate::api_proxy::{ApiProxy, Connect};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use serde_json::Value;
@@ -410,6 +412,50 @@ impl RealNode {
             .clone()
     }
 
+    /// A fault-injecting proxy ([`ApiProxy`]) in front of the API server, for the node's own
+    /// processes: it listens on node 1's IP (which the API server's certificate names) on a free
+    /// port inside the node's network namespace, and passes each connection on to the API server
+    /// there. Point the agent at it with [`RealNode::api_proxy_env`].
+    pub fn api_proxy(&self) -> ApiProxy {
+        let ip: std::net::Ipv4Addr = self.node(1).ip().parse().unwrap();
+        let listener = {
+            let netns = self.netns.lock().unwrap();
+            let ns = netns.as_ref().expect("the node is running");
+            ns.run(|| std::net::TcpListener::bind((ip, 0)))
+                .expect("enter the node's netns")
+                .expect("a free port on the node IP")
+        };
+        listener.set_nonblocking(true).unwrap();
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        let netns = self.netns.clone();
+        let connect: Connect = Arc::new(move || {
+            let netns = netns.clone();
+            Box::pin(async move { connect_inside(&netns).await })
+        });
+        let pki = self.dir.path().join("pki");
+        let ca = std::fs::read(pki.join("ca.crt")).expect("the node's CA");
+        ApiProxy::serve(
+            listener,
+            &pki.join("apiserver.crt"),
+            &pki.join("apiserver.key"),
+            &ca,
+            API_SERVER.0.into(),
+            connect,
+        )
+    }
+
+    /// helm arguments that send the agent, and the plugin through the kubeconfig the agent
+    /// writes for it, to `proxy` instead of the `kubernetes` Service (the in-cluster address
+    /// kubelet gives every container, which the chart's `env` overrides).
+    pub fn api_proxy_env(&self, proxy: &ApiProxy) -> Vec<String> {
+        vec![
+            "--set-string".into(),
+            format!("env.KUBERNETES_SERVICE_HOST={}", self.node(1).ip()),
+            "--set-string".into(),
+            format!("env.KUBERNETES_SERVICE_PORT={}", proxy.port()),
+        ]
+    }
+
     /// Installs our chart with `deploy/node/values-real-node.yaml` (plus `extra` helm arguments)
     /// and the ztunnel-like peer of `deploy/node/ztunnel-peer.yaml`, and waits until both
     /// DaemonSets are rolled out.
@@ -734,28 +780,39 @@ fn comm_of(pid: u32) -> Option<String> {
     Some(comm.trim_end().to_string())
 }
 
+/// The API server's address inside node 1 (its certificate names it).
+const API_SERVER: (std::net::Ipv4Addr, u16) = (std::net::Ipv4Addr::LOCALHOST, 443);
+
+/// A connection to the API server made inside the node's network namespace (the netns rule: a
+/// socket keeps the namespace it was made in).
+async fn connect_inside(netns: &Mutex<Option<Netns>>) -> std::io::Result<tokio::net::TcpStream> {
+    let ns = netns
+        .lock()
+        .unwrap()
+        .as_ref()
+        .map(Netns::try_clone)
+        .transpose()?
+        .ok_or_else(|| std::io::Error::other("the node is not running"))?;
+    let upstream =
+        tokio::task::spawn_blocking(move || ns.run(|| std::net::TcpStream::connect(API_SERVER)))
+            .await
+            .map_err(std::io::Error::other)?
+            .map_err(std::io::Error::other)??;
+    upstream.set_nonblocking(true)?;
+    tokio::net::TcpStream::from_std(upstream)
+}
+
 /// Accepts on the test's loopback and connects each client to the API server inside the node.
 async fn forward(listener: tokio::net::TcpListener, netns: Arc<Mutex<Option<Netns>>>) {
     loop {
         let Ok((mut downstream, _)) = listener.accept().await else {
             return;
         };
-        let ns = netns
-            .lock()
-            .unwrap()
-            .as_ref()
-            .map(|n| n.try_clone().unwrap());
+        let netns = netns.clone();
         tokio::spawn(async move {
-            let Some(ns) = ns else { return };
-            let upstream = tokio::task::spawn_blocking(move || {
-                ns.run(|| std::net::TcpStream::connect("127.0.0.1:443"))
-            })
-            .await;
-            let Ok(Ok(Ok(upstream))) = upstream else {
+            let Ok(mut upstream) = connect_inside(&netns).await else {
                 return;
             };
-            upstream.set_nonblocking(true).unwrap();
-            let mut upstream = tokio::net::TcpStream::from_std(upstream).unwrap();
             let _ = tokio::io::copy_bidirectional(&mut downstream, &mut upstream).await;
         });
     }

@@ -635,7 +635,7 @@ async fn failed_component_start_names_it_and_tears_down_the_rest() {
 /// `CHURN_SEED` replays a schedule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_short_on_the_real_node() {
-    use testbed::churn::{self, ChurnConfig, real};
+    use testbed::churn::{self, ChurnConfig, FaultKind, real};
     dataplane::require_root!();
     let _one = ONE_NODE.lock().await;
     let seed = std::env::var("CHURN_SEED")
@@ -652,6 +652,14 @@ async fn churn_short_on_the_real_node() {
     cfg.fault_percent = 50;
     cfg.quiet_every = 6;
     cfg.population = 5;
+    // The API proxy's faults have their own run (api_faults_on_the_real_node); this seed keeps
+    // the schedule it had before them.
+    cfg.kinds = Some(
+        FaultKind::ALL
+            .into_iter()
+            .filter(|k| !API_PROXY_FAULTS.contains(k))
+            .collect(),
+    );
     let report = churn::run(&mut node, &cfg).await;
     println!("seed {seed}\n{}", report.markdown());
     assert!(
@@ -666,6 +674,71 @@ async fn churn_short_on_the_real_node() {
         "too few faults: {:?}",
         report.faults
     );
+}
+
+/// What the fault proxy in front of the API server does to the agent's and the plugin's requests.
+const API_PROXY_FAULTS: [testbed::churn::FaultKind; 3] = [
+    testbed::churn::FaultKind::ApiErrorBurst,
+    testbed::churn::FaultKind::ApiSlowAnswers,
+    testbed::churn::FaultKind::ApiConnectionReset,
+];
+
+/// API server faults on the real node (issue #39): the agent and its plugin reach the API server
+/// through the fault proxy (429/500/503 bursts, answers seconds late, every connection reset:
+/// watch streams cut mid-stream) and the API server itself restarts, while ambient pods are
+/// created and deleted through kubelet. No pod ever starts unredirected, the peer's state stays
+/// complete at every quiet point, and kubelet never restarts the agent (no liveness failure, no
+/// exit) for any of it. `CHURN_SEED` replays a schedule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_faults_on_the_real_node() {
+    use testbed::churn::{self, ChurnConfig, FaultKind, real};
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let seed = std::env::var("CHURN_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(39);
+    let node =
+        RealNode::up_with(&[("REAL_NODE_MAX_RESTART_BACKOFF", real::MAX_RESTART_BACKOFF)]).await;
+    let mut node = real::RealChurnNode::start(node).await;
+    let mut cfg = ChurnConfig::new(10, seed);
+    cfg.fault_percent = 70;
+    cfg.quiet_every = 5;
+    cfg.population = 4;
+    let mut kinds = API_PROXY_FAULTS.to_vec();
+    kinds.push(FaultKind::ApiRestart);
+    cfg.kinds = Some(kinds);
+    let report = churn::run(&mut node, &cfg).await;
+    println!("seed {seed}\n{}", report.markdown());
+    assert!(
+        report.violations.is_empty(),
+        "churn violations (seed {seed}): {:#?}\n{}",
+        report.violations,
+        node.agent_log()
+    );
+    assert_eq!(
+        report.agent_exits,
+        0,
+        "the agent restarted under API faults\n{}",
+        node.agent_log()
+    );
+    if report.faults.contains_key(&FaultKind::ApiErrorBurst) {
+        assert!(
+            node.api_rejected() > 0,
+            "no request of the agent or the plugin met the error bursts: they bypass the proxy"
+        );
+    }
+    let drawn = report
+        .faults
+        .keys()
+        .filter(|k| API_PROXY_FAULTS.contains(k))
+        .count();
+    assert!(
+        drawn >= 2 && report.faults.values().sum::<u64>() >= 4,
+        "too few API faults: {:?}",
+        report.faults
+    );
+    assert_eq!(report.pods_created, 10);
 }
 
 /// The commands of the README's first `bash` block under `heading`, continuation lines joined and

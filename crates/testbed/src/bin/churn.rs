@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use testbed::churn::{ChurnConfig, emulated, real};
+use testbed::churn::{ChurnConfig, FaultKind, emulated, real};
 use testbed::node::Backend;
 
 #[derive(Parser)]
@@ -29,6 +29,18 @@ struct Args {
     /// Live pods kept while churning.
     #[arg(long, default_value_t = 12)]
     population: usize,
+    /// Only these faults, by the names the report prints (comma-separated, e.g.
+    /// `ApiErrorBurst,ApiSlowAnswers,ApiConnectionReset,ApiRestart`); default: every fault the
+    /// node supports.
+    #[arg(long, value_delimiter = ',', value_parser = parse_fault)]
+    faults: Vec<FaultKind>,
+}
+
+fn parse_fault(name: &str) -> Result<FaultKind, String> {
+    FaultKind::ALL
+        .into_iter()
+        .find(|k| format!("{k:?}") == name)
+        .ok_or_else(|| format!("unknown fault {name:?}; one of {:?}", FaultKind::ALL))
 }
 
 fn main() -> ExitCode {
@@ -58,6 +70,7 @@ fn main() -> ExitCode {
     eprintln!("churn: {} cycles on {on}, seed {seed}", args.cycles);
     let mut cfg = ChurnConfig::new(args.cycles, seed);
     cfg.population = args.population;
+    cfg.kinds = (!args.faults.is_empty()).then_some(args.faults);
     let backend = match args.backend.as_str() {
         "iptables" => Backend::Iptables,
         _ => Backend::Nftables,

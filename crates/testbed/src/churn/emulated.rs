@@ -356,9 +356,15 @@ impl EmulatedNode {
 impl ChurnNode for EmulatedNode {
     /// Every fault but the real node's own: no kubelet, containerd or agent pod here.
     fn supports(&self, kind: FaultKind) -> bool {
+        // The API proxy's slow answers and resets are the real node's (issue #39); left out here
+        // so the emulated node's seeds keep their schedules.
         !matches!(
             kind,
-            FaultKind::AgentPodDelete | FaultKind::KubeletRestart | FaultKind::ContainerdRestart
+            FaultKind::AgentPodDelete
+                | FaultKind::KubeletRestart
+                | FaultKind::ContainerdRestart
+                | FaultKind::ApiSlowAnswers
+                | FaultKind::ApiConnectionReset
         )
     }
 
@@ -474,7 +480,9 @@ impl ChurnNode for EmulatedNode {
             FaultKind::AgentKill => self.restart_agent(),
             FaultKind::AgentPodDelete
             | FaultKind::KubeletRestart
-            | FaultKind::ContainerdRestart => {
+            | FaultKind::ContainerdRestart
+            | FaultKind::ApiSlowAnswers
+            | FaultKind::ApiConnectionReset => {
                 unreachable!("{kind:?} is not supported on the emulated node")
             }
             // Done by the driver through create_pod's kill_agent_after.
@@ -535,7 +543,9 @@ impl ChurnNode for EmulatedNode {
             | FaultKind::ApiRestart
             | FaultKind::AgentPodDelete
             | FaultKind::KubeletRestart
-            | FaultKind::ContainerdRestart => {}
+            | FaultKind::ContainerdRestart
+            | FaultKind::ApiSlowAnswers
+            | FaultKind::ApiConnectionReset => {}
         }
     }
 

@@ -9,8 +9,10 @@
 //! cgroups), the agent's fds and RSS from its `/proc`, each witness's output from kubelet's
 //! container logs. Faults are the node's own: processes killed, components restarted, pods
 //! deleted, files written; the peer's nack / late ack / crash / disconnect through fake-ztunnel's
-//! control file. API 429/5xx bursts have no knob on this node (the agent, kubelet and the plugin
-//! reach the API server directly) and stay with the emulated one (reported as not supported).
+//! control file. API faults (429/5xx bursts, slow answers, every connection reset) come from the
+//! fault proxy ([`RealNode::api_proxy`]) that the agent and its plugin reach the API server
+//! through; kubelet and the control plane reach it directly, as they would in a cluster whose
+//! API server misbehaves for one client's connections (a load balancer, priority and fairness).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
@@ -25,6 +27,7 @@ use super::conflist::{ConflistReader, ISTIO_CNI, Rewriter, damage, without_ours}
 use super::{
     AddOutcome, AgentSample, ChurnNode, FaultKind, Rng, netns_ino, process_fds, process_memory_kib,
 };
+use crate::api_proxy::ApiProxy;
 use crate::node::binary_dir;
 use crate::real_node::{CONFLIST, REDIRECTION, RealNode, annotation, running, witness_pod};
 
@@ -77,6 +80,8 @@ struct AgentTrack {
 
 pub struct RealChurnNode {
     node: RealNode,
+    /// In front of the API server for the agent and the plugin.
+    proxy: ApiProxy,
     pods: BTreeMap<String, ChurnPod>,
     /// Every pod the harness deleted: UID → how (for violation messages).
     deleted: BTreeMap<String, String>,
@@ -184,7 +189,10 @@ impl RealChurnNode {
         ]);
         // Before the peer starts: its first read of the file sets the disconnect baseline.
         write_control(&node, "ack", 0);
-        node.install_chart(&[]).await;
+        let proxy = node.api_proxy();
+        let env = node.api_proxy_env(&proxy);
+        node.install_chart(&env.iter().map(String::as_str).collect::<Vec<_>>())
+            .await;
         node.namespace(NAMESPACE, true).await;
         let chained = std::fs::read_to_string(node.node_path(CONFLIST)).expect("the conflist");
         assert!(chained.contains(ISTIO_CNI), "not chained: {chained}");
@@ -192,6 +200,7 @@ impl RealChurnNode {
         let mut churn = RealChurnNode {
             primary: without_ours(&chained),
             node,
+            proxy,
             pods: BTreeMap::new(),
             deleted: BTreeMap::new(),
             active: BTreeSet::new(),
@@ -210,6 +219,12 @@ impl RealChurnNode {
 
     pub fn node(&self) -> &RealNode {
         &self.node
+    }
+
+    /// Requests of the agent and the plugin the API proxy answered with an error status: none
+    /// after a burst would mean they bypass the proxy.
+    pub fn api_rejected(&self) -> u64 {
+        self.proxy.rejected()
     }
 
     fn pods_api(&self) -> Api<Pod> {
@@ -630,6 +645,9 @@ impl ChurnNode for RealChurnNode {
                 | FaultKind::PeerCrashOnAdd
                 | FaultKind::PeerDisconnect
                 | FaultKind::ApiRestart
+                | FaultKind::ApiErrorBurst
+                | FaultKind::ApiSlowAnswers
+                | FaultKind::ApiConnectionReset
                 | FaultKind::ConflistRewriter
                 | FaultKind::DiskFull
                 | FaultKind::KubeletRestart
@@ -844,8 +862,11 @@ impl ChurnNode for RealChurnNode {
                 self.steer_peer(reply).await;
             }
             FaultKind::ApiErrorBurst => {
-                unreachable!("{kind:?} is not supported on the real node")
+                let status = [429, 500, 503][rng.below(3) as usize];
+                self.proxy.set_failing(Some(status));
             }
+            FaultKind::ApiSlowAnswers => self.proxy.set_delay(Some(rng.millis(1000, 4000))),
+            FaultKind::ApiConnectionReset => self.proxy.reset_connections(),
         }
     }
 
@@ -876,6 +897,8 @@ impl ChurnNode for RealChurnNode {
             | FaultKind::PeerSlowAck
             | FaultKind::PeerAckTimeout
             | FaultKind::PeerCrashOnAdd => self.steer_peer("ack".into()).await,
+            FaultKind::ApiErrorBurst => self.proxy.set_failing(None),
+            FaultKind::ApiSlowAnswers => self.proxy.set_delay(None),
             _ => {}
         }
     }
