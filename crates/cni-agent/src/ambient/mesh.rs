@@ -1066,19 +1066,86 @@ impl Mesh {
         let Ok(cfg) = self.pod_config(pod) else {
             return false;
         };
-        let rules = self.rules.clone();
-        let result = in_netns(&netns, move |netns| {
-            check_and_repair(&*rules, netns, &cfg, leftovers_only)
+        // The check after a restore (leftovers only) runs on namespaces just verified to hold the
+        // pod's addresses; the periodic one also asks whether the namespace still does.
+        let ips = match leftovers_only {
+            true => Vec::new(),
+            false => super::cluster::facts(pod).ips,
+        };
+        let (rules, owned, c) = (self.rules.clone(), ips.clone(), cfg.clone());
+        let found = in_netns(&netns, move |netns| {
+            if replaced(&owned, |ips| HostNetns.owns(netns, ips)) {
+                return Ok(Checked::Replaced);
+            }
+            check_and_repair(&*rules, netns, &c, leftovers_only).map(Checked::Rules)
         })
         .await;
-        self.report_repair(pod, result)
+        match found {
+            Ok(Checked::Replaced) => self.enroll_replaced(pod, uid, &netns, cfg, ips).await,
+            Ok(Checked::Rules(result)) => self.report_repair(pod, Ok(result)),
+            Err(e) => self.report_repair(pod, Err(e)),
+        }
     }
 
-    fn drift_label(&self, scope: &'static str) -> DriftLabel {
-        DriftLabel {
-            backend: self.rules.backend().to_string(),
-            scope,
+    /// The drift check found the pod's namespace holding none of the pod's addresses: its
+    /// sandbox was replaced (or its address moved elsewhere) without a CNI ADD reaching this
+    /// agent, e.g. the runtime set the new sandbox up from a config another writer had just
+    /// replaced. The new sandbox then runs unredirected while the old namespace, kept alive by
+    /// our fd, still reads in sync: the pod would be lost for good (istio/istio#61182). The
+    /// namespace that holds the addresses now is looked up under /proc, gets the pod's rules,
+    /// and goes to ztunnel as an Add of the same UID (ztunnel drains the old proxy and starts
+    /// one in the new namespace); only then does it replace the cached one, so a failed step is
+    /// found and retried at the next check. Nothing is found while the new sandbox has no
+    /// process yet, nor while the ADD that made it is in flight (it caches its namespace before
+    /// the API shows the new address): the next check looks again. Returns whether it
+    /// re-enrolled the pod.
+    async fn enroll_replaced(
+        &self,
+        pod: &CachedPod,
+        uid: &str,
+        stale: &Netns,
+        cfg: InpodConfig,
+        ips: Vec<IpAddr>,
+    ) -> bool {
+        let pod_name = name(pod);
+        let workload = workload_info(pod);
+        let wanted = HashMap::from([(
+            uid.to_string(),
+            WantedPod {
+                workload: workload.clone(),
+                ips,
+            },
+        )]);
+        let fresh = match self.discover(wanted).await {
+            Ok(mut found) => found.remove(uid).filter(|ns| ns.id() != stale.id()),
+            Err(e) => {
+                tracing::warn!(pod = %pod_name, error = %e, "cannot look for the namespace of a pod whose addresses left its own");
+                None
+            }
+        };
+        let Some(fresh) = fresh else {
+            tracing::info!(pod = %pod_name, "the pod's namespace holds none of its addresses, and no other one of its does yet");
+            return false;
+        };
+        let fresh = Arc::new(fresh);
+        let rules = self.rules.clone();
+        if let Err(e) = in_netns(&fresh, move |ns| rules.enroll(ns, &cfg)).await {
+            tracing::error!(pod = %pod_name, backend = self.rules.backend(), error = %e, "cannot redirect the pod's replaced namespace");
+            return false;
         }
+        if let Err(e) = self.zds.pod_added(uid, workload.clone(), &fresh).await {
+            tracing::error!(pod = %pod_name, error = %e, "ztunnel did not accept the pod's replaced namespace");
+            return false;
+        }
+        let Ok(cached) = fresh.try_clone() else {
+            return false;
+        };
+        self.cache.upsert(uid, workload, cached);
+        // The hint names the old sandbox's namespace; a restart finds the new one under /proc.
+        self.hints.forget(uid);
+        self.count_drift_repair("pod");
+        tracing::warn!(pod = %pod_name, "pod's network namespace was replaced without a CNI ADD; enrolled again in the new one");
+        true
     }
 
     fn count_drift_repair(&self, scope: &'static str) {
@@ -1149,6 +1216,21 @@ impl Mesh {
             }
         }
     }
+}
+
+/// What a drift check found in a pod's cached namespace.
+enum Checked {
+    /// The rules, as [`check_and_repair`] left them.
+    Rules(Option<RuleState>),
+    /// The namespace holds none of the pod's addresses any more.
+    Replaced,
+}
+
+/// Whether a pod's namespace was replaced under it: the pod has addresses and the namespace
+/// (`owns` lists its addresses) holds none of them. A pod without addresses yet, or a namespace
+/// whose addresses cannot be read, is no evidence either way.
+fn replaced(ips: &[IpAddr], owns: impl FnOnce(&[IpAddr]) -> Result<bool, String>) -> bool {
+    !ips.is_empty() && owns(ips) == Ok(false)
 }
 
 /// A hinted namespace as [`Mesh::precheck_hinted`] found it.
@@ -1270,6 +1352,21 @@ mod tests {
         assert!(
             !finished.take("uid-b"),
             "added again: its delete removes it"
+        );
+    }
+
+    #[test]
+    fn a_namespace_is_replaced_only_when_it_holds_none_of_the_pods_addresses() {
+        let ip: IpAddr = "10.244.0.7".parse().unwrap();
+        assert!(replaced(&[ip], |_| Ok(false)), "the addresses left it");
+        assert!(!replaced(&[ip], |_| Ok(true)), "it still holds one");
+        assert!(
+            !replaced(&[ip], |_| Err("netlink".into())),
+            "an unreadable namespace is no evidence"
+        );
+        assert!(
+            !replaced(&[], |_| unreachable!("nothing to look for")),
+            "a pod without addresses yet"
         );
     }
 
