@@ -1148,6 +1148,13 @@ impl Mesh {
         true
     }
 
+    fn drift_label(&self, scope: &'static str) -> DriftLabel {
+        DriftLabel {
+            backend: self.rules.backend().to_string(),
+            scope,
+        }
+    }
+
     fn count_drift_repair(&self, scope: &'static str) {
         let label = self.drift_label(scope);
         self.metrics.drift_repairs.get_or_create(&label).inc();
