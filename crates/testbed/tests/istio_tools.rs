@@ -8,6 +8,9 @@
 //! builds) only checks the redirection the node agent's plugin programmed from the injected
 //! annotations. Envoy is not built here: in the image, pilot-agent starts a stand-in on Envoy's
 //! ports (`deploy/node/envoy-stand-in`), whose capture ports answer with their own number.
+//! The API server reaches istiod's webhook as on any cluster: it runs in the node's network
+//! namespace, where kube-proxy sends the `istiod` Service's IP to istiod's pod, and istiod puts
+//! its CA into its webhook configuration itself.
 //!
 //! istioctl (`tools/istio/build.sh istioctl`) runs inside the node as a user runs it against
 //! the cluster. `istioctl ztunnel-config` needs the real ztunnel (`ZTUNNEL_BIN`); without it that
