@@ -2,7 +2,9 @@
 //! for tests and with the `testing` feature; never part of the shipped agent.
 
 pub mod api_proxy;
+pub mod apiserver_metrics;
 pub mod churn;
+pub mod cluster_fill;
 pub mod cni_runtime;
 pub mod cpu_profile;
 pub mod istio_agent;
