@@ -321,6 +321,15 @@ impl Mesh {
         self.finished.forget(&uid);
         let added = self.add_locked(pod, &uid, ips, netns_path).await;
         self.last_errors.record(&uid, &added);
+        if added.is_ok() && netns_path.is_some() {
+            // A sandbox's ADD carries all of the pod's addresses: any other recorded for it were
+            // a replaced sandbox's, and kubelet's status may go from the old address to none to
+            // the new one, so the reconciler never sees a change to follow (found on the real
+            // node: the old entry stayed, put back at every host repair).
+            if let Err(e) = self.drop_probe_ips_except(pod, &uid, ips) {
+                tracing::warn!(error = %e, "cannot remove a replaced sandbox's probe set entries");
+            }
+        }
         if added.is_err() && netns_path.is_some() {
             // A failed ADD's sandbox is torn down by the runtime, which retries with a new one:
             // holding its namespace would keep a dead sandbox alive, and the informer path could
@@ -551,6 +560,18 @@ impl Mesh {
         ips: &[IpAddr],
     ) -> Result<(), MeshError> {
         let _pod_lock = self.locks.lock(uid).await;
+        self.upsert_probe_ips(pod, uid, ips).await?;
+        self.drop_probe_ips_except(pod, uid, ips)
+    }
+
+    /// Takes out the probe set entries recorded for `uid` at addresses other than `ips` (only
+    /// where still tagged with this pod: another pod may own the address now).
+    fn drop_probe_ips_except(
+        &self,
+        pod: &CachedPod,
+        uid: &str,
+        ips: &[IpAddr],
+    ) -> Result<(), MeshError> {
         let current: HashSet<IpAddr> = ips.iter().map(|ip| ip.to_canonical()).collect();
         let gone: Vec<IpAddr> = self
             .probe_ips
@@ -558,7 +579,6 @@ impl Mesh {
             .into_iter()
             .filter(|ip| !current.contains(ip))
             .collect();
-        self.upsert_probe_ips(pod, uid, ips).await?;
         for ip in gone {
             self.probes
                 .remove(ip, uid)
