@@ -295,9 +295,13 @@ pub fn loud_lines(log: &str) -> Vec<&str> {
         .collect()
 }
 
-/// `GET /readyz` of the agent (on the node's host network): its body.
+/// `GET /readyz` of the agent, at its pod's IP: the node's on the host network (our chart,
+/// `ambient.shareHostNetworkNamespace`), its own otherwise (Istio's installers' default): its
+/// body, empty when there is no answer.
 pub fn agent_readyz(node: &RealNode) -> String {
-    let out = node.try_script(&["exec", "curl", "-s", "http://127.0.0.1:8000/readyz"]);
+    let ip = agent_pods(node, None, "jsonpath={.items[0].status.podIP}");
+    let url = format!("http://{}:8000/readyz", ip.trim());
+    let out = node.try_script(&["exec", "curl", "-s", "-m", "5", &url]);
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 

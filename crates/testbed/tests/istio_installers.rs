@@ -303,7 +303,7 @@ async fn drop_in(installer: Installer) {
                 ]);
                 let log = String::from_utf8_lossy(&out.stdout).into_owned()
                     + &String::from_utf8_lossy(&out.stderr);
-                log.contains(REFUSED_LEVEL).then_some(log)
+                log.contains("nosuchscope").then_some(log)
             },
         )
         .await;
