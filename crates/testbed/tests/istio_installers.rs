@@ -37,7 +37,7 @@ const OURS: &str = "localhost/istio-cni-rs/install-cni:dev";
 const OURS_DISTROLESS: &str = "localhost/istio-cni-rs/install-cni:dev-distroless";
 
 /// One of Istio's installers, as a user runs it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Installer {
     /// `istioctl install -f deploy/node/istioctl-real-node.yaml`: our image by
     /// `values.cni.hub`/`tag`, so `…:dev-distroless` (the ambient profile's variant); the
@@ -104,6 +104,7 @@ impl Installer {
         let mut args: Vec<String> = match self {
             Installer::Istioctl => {
                 let mut a: Vec<String> = vec![
+                    "exec".into(),
                     istioctl().to_str().unwrap().into(),
                     "install".into(),
                     "-y".into(),
@@ -152,15 +153,21 @@ impl Installer {
         for v in self.cni_values(run) {
             args.extend(["--set".into(), v]);
         }
-        let mut all = vec!["exec"];
-        all.extend(args.iter().map(String::as_str));
-        node.try_script(&all)
+        // istioctl runs inside the node (`exec`), helm as `scripts/real-node helm`.
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        node.try_script(&args)
     }
 
     fn uninstall(self, node: &RealNode) -> Output {
         let istioctl = istioctl();
         let args = match self {
-            Installer::Istioctl => vec![istioctl.to_str().unwrap(), "uninstall", "--purge", "-y"],
+            Installer::Istioctl => vec![
+                "exec",
+                istioctl.to_str().unwrap(),
+                "uninstall",
+                "--purge",
+                "-y",
+            ],
             Installer::AmbientChart => {
                 vec![
                     "helm",
@@ -172,9 +179,7 @@ impl Installer {
                 ]
             }
         };
-        let mut all = vec!["exec"];
-        all.extend(args);
-        node.try_script(&all)
+        node.try_script(&args)
     }
 }
 
@@ -283,9 +288,27 @@ async fn drop_in(installer: Installer) {
         String::from_utf8_lossy(&refused.stdout),
         String::from_utf8_lossy(&refused.stderr)
     );
+    // istioctl waits for every agent ready and fails. Helm's `--wait` counts a DaemonSet ready
+    // with `maxUnavailable` (1) agents missing, so on this one node it reports success; the
+    // rollout itself never completes, which `kubectl rollout status` shows for both.
+    if installer == Installer::Istioctl {
+        assert!(
+            !refused.status.success(),
+            "{installer:?} reported success for an agent that cannot start:\n{said}"
+        );
+    }
+    let rollout = node.try_script(&[
+        "kubectl",
+        "-n",
+        SYSTEM_NAMESPACE,
+        "rollout",
+        "status",
+        "ds/istio-cni-node",
+        "--timeout=20s",
+    ]);
     assert!(
-        !refused.status.success(),
-        "{installer:?} reported success for an agent that cannot start:\n{said}"
+        !rollout.status.success(),
+        "the rollout of an agent that cannot start completed"
     );
     eprintln!("{installer:?} on the refused value:\n{said}");
     let refused_log = node
