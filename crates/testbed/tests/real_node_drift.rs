@@ -1,0 +1,509 @@
+//! Host drift and replaced sandboxes on the real node (issue #39): kubelet's HTTP probes to ambient
+//! pods while the node's nat rules and probe sets are wiped (`nft flush ruleset`; a firewalld-style
+//! reload that flushes everything and re-adds only the node's own rules), and a pod whose sandbox is replaced under it (its pause process killed: kubelet makes
+//! a new netns, host-local a new IP). One node, the nftables backend; the same flushes
+//! under the iptables backend are `node_e2e.rs`'s `host_flush_is_repaired_iptables` (emulated node).
+//!
+//! What tells a probe that was SNATed from one that was not: kubelet probes from the bridge
+//! gateway. SNATed to 169.254.7.127 by the host's probe rule, it bypasses the pod's redirection;
+//! unSNATed, it is redirected to the peer's inbound listener (15006), which records it (and
+//! forwards it, so the test peer keeps the probe green where ztunnel with STRICT mTLS would fail
+//! it). "Probes recovered" is: the peer's count of such connections stops growing.
+//!
+//! Needs root, the node binaries (`tools/k8s-node/build.sh`) and the images (`scripts/node-images`,
+//! or `REAL_NODE_IMAGES`).
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::Value;
+use testbed::migrate::{netns_exec, peer_accepted, redirected_now};
+use testbed::real_node::{
+    GATEWAY, RealNode, create, get, running, wait_redirection, wait_running, witness_pod,
+};
+
+/// One node at a time: a node is several hundred MB of processes and most of a core to start.
+static ONE_NODE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The agent's drift check interval here (`DRIFT_CHECK_INTERVAL_SECONDS`), short so that a test
+/// waits seconds, not the default 30.
+const DRIFT_SECONDS: u64 = 2;
+/// How long a repair may take to show: two checks (rules at one, entries at the next) and the
+/// kubelet probe that then bypasses the proxy, with room for a loaded machine.
+const REPAIRED_WITHIN: Duration = Duration::from_secs(30);
+const NS: &str = "probed";
+/// The in-pod inbound plaintext listener of the peer (ztunnel's 15006).
+const INBOUND: u16 = 15006;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Backend {
+    Nftables,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Nftables => "nftables",
+        }
+    }
+}
+
+/// A witness pod serving HTTP on 8080, with kubelet's readiness and liveness probes on it.
+fn probed_pod(name: &str) -> Value {
+    let mut p = witness_pod(
+        name,
+        "mkdir /www; echo ok > /www/index.html; exec httpd -f -p 8080 -h /www",
+    );
+    let probe = |failures: u32| {
+        serde_json::json!({
+            "httpGet": {"path": "/", "port": 8080},
+            "periodSeconds": 1,
+            "failureThreshold": failures,
+        })
+    };
+    p["spec"]["containers"][0]["readinessProbe"] = probe(1);
+    p["spec"]["containers"][0]["livenessProbe"] = probe(5);
+    p
+}
+
+fn node_netns(node: &RealNode) -> PathBuf {
+    PathBuf::from(format!("/proc/{}/ns/net", node.holder_pid()))
+}
+
+/// `script` by `sh` inside the node's network namespace (the machine's tools); panics on failure.
+fn node_sh(node: &RealNode, script: &str) -> String {
+    netns_exec(&node_netns(node), "sh", &["-c", script])
+}
+
+/// The host side of the probe SNAT as the backend keeps it: the nftables ruleset, or the nat
+/// table of the node's iptables (nft variant, kubelet's) and the ipsets.
+fn host_state(node: &RealNode, backend: Backend) -> String {
+    match backend {
+        Backend::Nftables => node_sh(node, "nft list ruleset"),
+    }
+}
+
+/// Whether `text` names `ip` as a whole address (10.244.0.5 is not in 10.244.0.50).
+fn mentions(text: &str, ip: &str) -> bool {
+    text.match_indices(ip).any(|(i, _)| {
+        let after = text[i + ip.len()..].chars().next();
+        let before = text[..i].chars().next_back();
+        !after.is_some_and(|c| c.is_ascii_digit() || c == '.')
+            && !before.is_some_and(|c| c.is_ascii_digit() || c == '.')
+    })
+}
+
+/// The probe SNAT rule is in place and the probe set holds every one of `ips`.
+fn probes_programmed(state: &str, ips: &[String]) -> bool {
+    state.contains("169.254.7.127") && ips.iter().all(|ip| mentions(state, ip))
+}
+
+/// Connections from the node's bridge gateway (kubelet's probes) that the peer's inbound listener
+/// took for each pod: probes that were not SNATed.
+fn proxied_probes(node: &RealNode, uids: &[String]) -> BTreeMap<String, usize> {
+    uids.iter()
+        .map(|uid| {
+            let n = peer_accepted(node, uid)
+                .iter()
+                .filter(|a| a.port == INBOUND && peer_host(&a.peer) == GATEWAY)
+                .count();
+            (uid.clone(), n)
+        })
+        .collect()
+}
+
+/// The address of a `host:port` (`[::ffff:a.b.c.d]:port` too).
+fn peer_host(peer: &str) -> &str {
+    let host = peer.rsplit_once(':').map_or(peer, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.trim_start_matches("::ffff:")
+}
+
+/// Waits until kubelet's probes to `uids` bypass the proxy: the peer's count of unSNATed probes
+/// holds still for three probe periods (six probes of two pods). Returns the counts.
+async fn wait_probes_bypass(
+    node: &RealNode,
+    uids: &[String],
+    what: &str,
+) -> BTreeMap<String, usize> {
+    node.eventually(what, REPAIRED_WITHIN, || async {
+        let before = proxied_probes(node, uids);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        (proxied_probes(node, uids) == before).then_some(before)
+    })
+    .await
+}
+
+/// Injects `fault` until a kubelet probe of one of `uids` is seen unSNATed (the fault took the
+/// SNAT away before the next drift check put it back), then waits until the host's probe rules
+/// and entries for `ips` are back and probes bypass the proxy again. Returns how many probes went
+/// through the proxy in between.
+async fn fault_then_repair(
+    node: &RealNode,
+    backend: Backend,
+    uids: &[String],
+    ips: &[String],
+    what: &str,
+    fault: impl Fn(),
+) -> usize {
+    let total = |m: &BTreeMap<String, usize>| m.values().sum::<usize>();
+    let before = total(&proxied_probes(node, uids));
+    let began = Instant::now();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        fault();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        if total(&proxied_probes(node, uids)) > before {
+            break;
+        }
+        assert!(
+            tries < 10,
+            "{what}: after {tries} faults no kubelet probe went through the proxy: the fault does \
+             not take the probe SNAT away\n{}",
+            host_state(node, backend)
+        );
+    }
+    node.eventually(
+        &format!("{what}: host probe rules back"),
+        REPAIRED_WITHIN,
+        || async { probes_programmed(&host_state(node, backend), ips).then_some(()) },
+    )
+    .await;
+    let after = wait_probes_bypass(node, uids, &format!("{what}: probes SNATed again")).await;
+    let gap = total(&after) - before;
+    eprintln!(
+        "{what} ({}): {tries} fault(s), {gap} probe(s) through the proxy, repaired in {:?}",
+        backend.name(),
+        began.elapsed()
+    );
+    gap
+}
+
+/// Ready, with every container's restart count as `restarts` says.
+fn assert_ready_with_restarts(p: &Pod, restarts: i32) {
+    let name = p.metadata.name.as_deref().unwrap_or_default();
+    assert!(running(p), "{name} not Ready: {:?}", p.status);
+    let st = p.status.as_ref().unwrap();
+    let ready = st
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.status.as_str());
+    assert_eq!(ready, Some("True"), "{name}: {:?}", st.conditions);
+    for c in st.container_statuses.iter().flatten() {
+        assert_eq!(
+            c.restart_count, restarts,
+            "{name}/{}: kubelet restarted it: {:?}",
+            c.name, c.last_state
+        );
+    }
+}
+
+/// Whether no agent container was ever restarted by kubelet (none for anything in this suite).
+fn agent_never_restarted(node: &RealNode) -> bool {
+    let counts = node.kubectl(&[
+        "-n",
+        "istio-system",
+        "get",
+        "pods",
+        "-l",
+        "k8s-app=istio-cni-node",
+        "-o",
+        "jsonpath={.items[*].status.containerStatuses[*].restartCount}",
+    ]);
+    !counts.trim().is_empty() && counts.split_whitespace().all(|n| n == "0")
+}
+
+/// `curl` on the node's loopback (the agent's host-network ports).
+fn agent_http(node: &RealNode, path: &str) -> (String, String) {
+    let out = node_sh(
+        node,
+        &format!("curl -s -w '\\n%{{http_code}}' http://127.0.0.1:{path}"),
+    );
+    let (body, code) = out.rsplit_once('\n').unwrap_or((&out, ""));
+    (code.to_string(), body.to_string())
+}
+
+/// The agent counted host repairs for `backend`.
+fn host_repairs(node: &RealNode, backend: Backend) -> u64 {
+    let (_, metrics) = agent_http(node, "15014/metrics");
+    let series = format!(
+        "istio_cni_drift_repairs_total{{backend=\"{}\",scope=\"host\"}} ",
+        backend.name()
+    );
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Kills pod `uid`'s pause process (catatonit): kubelet sees its sandbox die, tears it down and
+/// makes a new one.
+fn kill_pause(node: &RealNode, uid: &str) {
+    let pause = node.pod_processes(&format!("pod{uid}/"), Some("catatonit"));
+    assert_eq!(pause.len(), 1, "{uid}: one pause process: {pause:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pause[0] as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+}
+
+/// Each run's witness of container `app` of pod `name`, in order.
+fn witnesses(node: &RealNode, name: &str, uid: &str) -> Vec<String> {
+    node.container_output(NS, name, uid, "app")
+        .iter()
+        .map(|l| l.trim().to_string())
+        .filter(|l| l == "REDIRECTED" || l == "DIRECT")
+        .collect()
+}
+
+/// The inode of the pod's current network namespace (through one of its processes).
+fn pod_netns_ino(node: &RealNode, uid: &str) -> u64 {
+    let path = node.pod_netns(uid).expect("a process of the pod");
+    std::fs::metadata(path).unwrap().ino()
+}
+
+/// Waits until the peer runs pod `uid`'s proxies in the namespace `ino`.
+async fn wait_peer_netns(node: &RealNode, uid: &str, ino: u64, what: &str) {
+    node.eventually(what, REPAIRED_WITHIN, || async {
+        let st = node.peer_status()?;
+        let w = &st["workloads"][uid];
+        (w["netns_ino"].as_u64() == Some(ino) && w["state"] == "Up").then_some(())
+    })
+    .await
+}
+
+/// Waits until pod `name` (UID `uid`) has run `runs` times and runs again, in a sandbox with an
+/// address other than `old_ip`.
+async fn wait_new_sandbox(node: &RealNode, name: &str, runs: i32, old_ip: &str) -> Pod {
+    node.eventually(
+        &format!("{name}: sandbox {runs} Running with a new IP"),
+        Duration::from_secs(120),
+        || async {
+            let p = get(node, NS, name).await?;
+            let st = p.status.as_ref()?;
+            let restarted = st.container_statuses.as_ref()?.first()?.restart_count >= runs;
+            let moved = st.pod_ip.as_deref().is_some_and(|ip| ip != old_ip);
+            (running(&p) && restarted && moved).then_some(p)
+        },
+    )
+    .await
+}
+
+/// The pod's sandbox replaced: its pause process (catatonit) killed, so kubelet tears the sandbox
+/// down and makes a new one (a new netns; host-local hands out the next address) and restarts the
+/// containers in it. The pod must come back enrolled in the new netns: rules there, the peer
+/// handed the new netns for the same UID, the probe entry moved to the new IP (the old one out),
+/// and the new container's witness REDIRECTED.
+async fn replace_sandbox(node: &RealNode, backend: Backend, name: &str) -> Pod {
+    let began = Instant::now();
+    let p = get(node, NS, name).await.unwrap();
+    let uid = p.metadata.uid.clone().unwrap();
+    let old_ip = p.status.as_ref().unwrap().pod_ip.clone().unwrap();
+    let old_ns = pod_netns_ino(node, &uid);
+    let adds = |node: &RealNode| {
+        node.peer_status().map_or(0, |s| {
+            s["log"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|e| e.as_str() == Some(&format!("add {uid}")))
+                .count()
+        })
+    };
+    let adds_before = adds(node);
+    kill_pause(node, &uid);
+    let p = wait_new_sandbox(node, name, 1, &old_ip).await;
+    let new_ip = p.status.as_ref().unwrap().pod_ip.clone().unwrap();
+    let new_ns_path = node.pod_netns(&uid).unwrap();
+    let new_ns = pod_netns_ino(node, &uid);
+    assert_ne!(new_ns, old_ns, "{name}: the sandbox kept its netns");
+    // The new container's witness (its first act in the new netns).
+    assert_eq!(
+        witnesses(node, name, &uid),
+        ["REDIRECTED", "REDIRECTED"],
+        "{name}: each run's witness"
+    );
+    // Rules in the new netns, of the agent's backend.
+    match backend {
+        Backend::Nftables => {
+            let rules = netns_exec(&new_ns_path, "nft", &["list", "ruleset"]);
+            assert!(rules.contains("15006"), "{name}: no redirect in\n{rules}");
+        }
+    }
+    // ztunnel's way: an Add of the same UID with the new netns (the old proxy drained).
+    wait_peer_netns(
+        node,
+        &uid,
+        new_ns,
+        &format!("{name}: the peer runs it in the new netns"),
+    )
+    .await;
+    assert!(adds(node) > adds_before, "{name}: no new ZDS Add");
+    // The host probe entry followed the IP.
+    node.eventually(
+        &format!("{name}: probe entry moved {old_ip} -> {new_ip}"),
+        REPAIRED_WITHIN,
+        || async {
+            let state = host_state(node, backend);
+            (mentions(&state, &new_ip) && !mentions(&state, &old_ip)).then_some(())
+        },
+    )
+    .await;
+    assert!(redirected_now(node, NS, name), "{name}: not redirected now");
+    eprintln!(
+        "{name} ({}): sandbox replaced ({old_ip} -> {new_ip}), re-enrolled in {:?}",
+        backend.name(),
+        began.elapsed()
+    );
+    p
+}
+
+/// kubelet's probes to ambient pods through every kind of host flush, on both backends, and two
+/// pods whose sandboxes are replaced: the probe SNAT and entries are back within a drift period
+/// or two, the pods stay Ready and are never restarted by kubelet, the agent never restarts and
+/// stays ready; a pod created while the host is being flushed is still redirected; a replaced
+/// sandbox is enrolled again in its new netns with its new IP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_flushes_and_replaced_sandboxes_keep_probes_and_redirection() {
+    dataplane::require_root!();
+    let _one = ONE_NODE.lock().await;
+    let began = Instant::now();
+    let node = RealNode::up().await;
+    let drift = format!("env.DRIFT_CHECK_INTERVAL_SECONDS={DRIFT_SECONDS}");
+    node.install_chart(&["--set-string", &drift]).await;
+    node.namespace(NS, true).await;
+    let mut uids = Vec::new();
+    for name in ["web-0", "web-1"] {
+        uids.push(create(&node, NS, probed_pod(name)).await);
+    }
+    let mut ips = Vec::new();
+    for name in ["web-0", "web-1"] {
+        let p = wait_running(&node, NS, name).await;
+        wait_redirection(&node, NS, name, Some("enabled")).await;
+        ips.push(p.status.unwrap().pod_ip.unwrap());
+    }
+    assert!(probes_programmed(
+        &host_state(&node, Backend::Nftables),
+        &ips
+    ));
+    // Before any fault, kubelet's probes bypass the proxy: the SNAT works.
+    let quiet = wait_probes_bypass(&node, &uids, "probes bypass the proxy").await;
+    assert!(
+        quiet.values().all(|n| *n == 0),
+        "probes went through the proxy before any fault: {quiet:?}"
+    );
+    eprintln!(
+        "node up, chart installed, pods Ready: {:?}",
+        began.elapsed()
+    );
+
+    // The node's own rules (kubelet's and kube-proxy's iptables-nft), as a firewall would keep
+    // them to load again at its reload: before any fault took them.
+    let own = node_sh(&node, "iptables-nft-save");
+    assert!(!own.contains("ISTIO"), "iptables rules of ours: {own}");
+    let saved = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(saved.path(), &own).unwrap();
+    let nft = Backend::Nftables;
+    fault_then_repair(&node, nft, &uids, &ips, "nft flush ruleset", || {
+        node_sh(&node, "nft flush ruleset");
+    })
+    .await;
+    // firewalld's reload with its nftables backend: everything flushed, then its own rules (here
+    // the node's: kubelet's and kube-proxy's iptables-nft) loaded again, never ours.
+    let reload = format!(
+        "nft flush ruleset && iptables-nft-restore < {}",
+        saved.path().display()
+    );
+    fault_then_repair(&node, nft, &uids, &ips, "firewalld-style reload", || {
+        node_sh(&node, &reload);
+    })
+    .await;
+    assert!(
+        own.contains(":KUBE-IPTABLES-HINT")
+            && node_sh(&node, "iptables-nft-save").contains(":KUBE-IPTABLES-HINT"),
+        "the reload put the node's own rules back"
+    );
+
+    // An ambient pod created while the host is flushed over and over (every 100 ms for 5 s): its
+    // ADD may fail (the probe set gone under it; kubelet retries the sandbox) but never succeeds
+    // unredirected, and its probe entry is there once the flushing stops.
+    let flusher = {
+        let ns = node_netns(&node);
+        std::thread::spawn(move || {
+            for _ in 0..50 {
+                netns_exec(&ns, "nft", &["flush", "ruleset"]);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    let late = create(&node, NS, probed_pod("late")).await;
+    tokio::task::spawn_blocking(move || flusher.join().unwrap())
+        .await
+        .unwrap();
+    let late_pod = wait_running(&node, NS, "late").await;
+    assert_eq!(
+        witnesses(&node, "late", &late),
+        ["REDIRECTED"],
+        "an ADD during host flushes"
+    );
+    uids.push(late);
+    ips.push(late_pod.status.unwrap().pod_ip.unwrap());
+    node.eventually(
+        "probe entries after the flushing stopped",
+        REPAIRED_WITHIN,
+        || async { probes_programmed(&host_state(&node, nft), &ips).then_some(()) },
+    )
+    .await;
+    wait_probes_bypass(&node, &uids, "probes SNATed after the flushing").await;
+
+    for name in ["web-0", "web-1", "late"] {
+        assert_ready_with_restarts(&get(&node, NS, name).await.unwrap(), 0);
+    }
+    assert!(host_repairs(&node, nft) >= 2, "host repairs not counted");
+    assert_eq!(agent_http(&node, "8000/readyz").0, "200");
+    assert!(agent_never_restarted(&node), "the agent restarted");
+    eprintln!("nftables flushes done: {:?}", began.elapsed());
+
+    // Replaced netns and changed IP, nftables.
+    replace_sandbox(&node, nft, "web-0").await;
+    ips[0] = get(&node, NS, "web-0")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .pod_ip
+        .unwrap();
+    node.eventually(
+        "probe entries of the new sandboxes",
+        REPAIRED_WITHIN,
+        || async { probes_programmed(&host_state(&node, nft), &ips).then_some(()) },
+    )
+    .await;
+    wait_probes_bypass(&node, &uids, "probes SNATed in the new sandboxes").await;
+
+    // A sandbox replacement restarts the containers once, and nothing else restarted any.
+    assert_ready_with_restarts(&get(&node, NS, "web-0").await.unwrap(), 1);
+    for name in ["web-1", "late"] {
+        assert_ready_with_restarts(&get(&node, NS, name).await.unwrap(), 0);
+    }
+    assert_eq!(agent_http(&node, "8000/readyz").0, "200");
+    assert!(agent_never_restarted(&node), "the agent restarted");
+    eprintln!("done: {:?}", began.elapsed());
+}
+
+#[test]
+fn addresses_are_matched_whole() {
+    assert!(mentions("elements = { 10.244.0.5 }", "10.244.0.5"));
+    assert!(!mentions("elements = { 10.244.0.50 }", "10.244.0.5"));
+    assert!(!mentions("110.244.0.5", "10.244.0.5"));
+    assert!(mentions("10.244.0.5,", "10.244.0.5"));
+    assert_eq!(peer_host("10.244.0.1:43210"), "10.244.0.1");
+    assert_eq!(peer_host("[::ffff:10.244.0.1]:43210"), "10.244.0.1");
+}
