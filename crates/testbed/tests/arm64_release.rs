@@ -349,7 +349,8 @@ fn sboms_list_what_was_built(dist: &Path, roots: &BTreeMap<String, PathBuf>) {
 }
 
 /// Each backend in a network namespace of its own under `$NS`: apply, verify, remove, the
-/// namespace's rules read back after each (comment lines carry the time).
+/// namespace's rules read back after each (comment lines carry the time; `nft -n`: the image has
+/// no /etc/protocols to name protocol 6 `tcp` by, this machine has).
 const RULES_SCRIPT: &str = r#"
 for b in nftables iptables; do
   touch "$NS/$b" && unshare --net="$NS/$b" true
@@ -358,7 +359,7 @@ for b in nftables iptables; do
     echo "== $b $a: exit $?"
     [ $a = verify ] && cat "$NS/out"
     if [ $b = nftables ]; then
-      nsenter --net="$NS/$b" nft list ruleset
+      nsenter --net="$NS/$b" nft -n list ruleset
     else
       nsenter --net="$NS/$b" iptables-nft-save | grep -v '^#'
       nsenter --net="$NS/$b" iptables-legacy-save | grep -v '^#'
