@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2154 # $me and $target_dir are the sourcing script's
 # What the agent image holds, for every script that builds it (scripts/node-images for the real
 # node, scripts/release for each platform of a release): sourced, not run. `$root` is the tree
 # the netfilter tools come from: empty for this machine's, or a directory with Debian's packages
@@ -97,7 +97,7 @@ netfilter_tools() {
   local xtdir=/usr/lib/$triplet/xtables
   local -a bins=("$sbin/xtables-legacy-multi" "$sbin/xtables-nft-multi" "$sbin/ipset" "$sbin/nft")
   for f in "${bins[@]}"; do
-    [ -f "$root$f" ] && [ -x "$root$f" ] || {
+    [[ -f $root$f && -x $root$f ]] || {
       echo "$me: $root$f not found (apt-get install iptables ipset nftables, or scripts/setup)" >&2
       exit 1
     }

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the scripts that run what cargo built. Cargo builds into CARGO_TARGET_DIR, a cargo
 # config's build.target-dir, or ./target; only cargo knows which, so it is asked.
 # Sets $target_dir (absolute).
