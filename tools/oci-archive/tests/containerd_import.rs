@@ -261,7 +261,7 @@ fn bad_input_names_what_is_wrong() {
     check(
         &["build", d, "nginx"],
         2,
-        "unknown image nginx (one of: pause busybox install-cni ztunnel-peer ztunnel istio-install-cni pilot)",
+        "unknown image nginx (one of: pause busybox install-cni ztunnel-peer ztunnel istio-install-cni pilot proxyv2)",
     );
     check(
         &["build", d, "ztunnel"],
