@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use testbed::istio_mesh::{Mesh, istioctl};
-use testbed::migrate::{agent_log, netns_exec};
+use testbed::migrate::{agent_log, agent_pod, netns_exec};
 use testbed::real_node::{GATEWAY, RealNode, busybox_pod, create, get, wait_running};
 
 /// A node with a mesh at a time: each is several hundred MB of processes.
@@ -233,19 +233,7 @@ async fn istiods_injector_and_istioctls_tools_work_with_our_agent() {
         .expect("tar");
     assert!(tar.success(), "bug-report.tar.gz does not unpack");
     let root = unpacked.join("bug-report");
-    let agent_pod = node
-        .kubectl(&[
-            "-n",
-            "istio-system",
-            "get",
-            "pods",
-            "-l",
-            "k8s-app=istio-cni-node",
-            "-o",
-            "jsonpath={.items[0].metadata.name}",
-        ])
-        .trim()
-        .to_string();
+    let agent_pod = agent_pod(node);
     let cni_log = std::fs::read_to_string(root.join("cni").join(&agent_pod).join("cni.log"))
         .unwrap_or_else(|e| panic!("no cni/{agent_pod}/cni.log in the bug report: {e}"));
     for want in [

@@ -396,18 +396,7 @@ async fn a_pod_whose_ip_changes_moves_its_probe_entry() {
     let (mut pod, result) = node.create_pod("mesh", "moved", &[]).await;
     result.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
     node.wait_redirection(&pod, Some("enabled")).await;
-    let set = || {
-        node.node_netns.exec(
-            "nft",
-            &[
-                "list",
-                "set",
-                "inet",
-                "istio-ambient-nat",
-                "istio-inpod-probes-v4",
-            ],
-        )
-    };
+    let set = || probe_set_v4(&node);
     let old = format!("{} ", pod.ip.expect("pod IP"));
     assert!(set().contains(&old), "{}", set());
 
@@ -441,18 +430,6 @@ async fn probe_entries_of_pods_deleted_or_resandboxed_while_no_agent_ran_go() {
     let mut node = TestNode::start(Backend::Nftables).await;
     let _peer = fast_peer(&node);
     node.create_namespace("mesh", &[AMBIENT]).await;
-    let set = |node: &TestNode| {
-        node.node_netns.exec(
-            "nft",
-            &[
-                "list",
-                "set",
-                "inet",
-                "istio-ambient-nat",
-                "istio-inpod-probes-v4",
-            ],
-        )
-    };
     let (gone, result) = node.create_pod("mesh", "gone", &[]).await;
     result.unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
     // Enrolled, but the kubelet has not posted its IP.
@@ -461,7 +438,7 @@ async fn probe_entries_of_pods_deleted_or_resandboxed_while_no_agent_ran_go() {
     node.sandbox_add_ours(&cut, prev)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
-    let before = set(&node);
+    let before = probe_set_v4(&node);
     assert!(
         before.contains(&gone.uid) && before.contains(&cut.uid),
         "{before}"
@@ -471,7 +448,7 @@ async fn probe_entries_of_pods_deleted_or_resandboxed_while_no_agent_ran_go() {
     node.delete_pod(&gone).await;
     node.start_agent();
     node.wait_ready().await;
-    let after = set(&node);
+    let after = probe_set_v4(&node);
     assert!(
         !after.contains(&gone.uid) && after.contains(&cut.uid),
         "the restore kept the entry of a deleted pod, or dropped one of a pod without its IP \
@@ -492,11 +469,11 @@ async fn probe_entries_of_pods_deleted_or_resandboxed_while_no_agent_ran_go() {
     node.wait_redirection(&cut, Some("enabled")).await;
     node.delete_pod(&cut).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    while set(&node).contains(&cut.uid) {
+    while probe_set_v4(&node).contains(&cut.uid) {
         assert!(
             std::time::Instant::now() < deadline,
             "the deleted pod's entries are not all gone:\n{}\n{}",
-            set(&node),
+            probe_set_v4(&node),
             node.agent_log()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1362,4 +1339,18 @@ async fn aws_branch_eni_pods_get_probe_rules_while_enrolled() {
         !shown.contains(&forward) && !shown.contains(back),
         "{shown}"
     );
+}
+
+/// The node's IPv4 probe set as nftables lists it (elements with their pods' UIDs).
+fn probe_set_v4(node: &TestNode) -> String {
+    node.node_netns.exec(
+        "nft",
+        &[
+            "list",
+            "set",
+            "inet",
+            "istio-ambient-nat",
+            "istio-inpod-probes-v4",
+        ],
+    )
 }

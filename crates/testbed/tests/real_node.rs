@@ -628,6 +628,21 @@ async fn failed_component_start_names_it_and_tears_down_the_rest() {
     assert!(!logs.is_empty(), "the API server ran before containerd");
 }
 
+/// The seed of a churn run (`CHURN_SEED` replays a schedule, else `default`) and a real node
+/// ready for it, its components restarted quickly after the faults that stop them.
+async fn churn_node(default: u64) -> (u64, testbed::churn::real::RealChurnNode) {
+    let seed = std::env::var("CHURN_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
+    let node = RealNode::up_with(&[(
+        "REAL_NODE_MAX_RESTART_BACKOFF",
+        testbed::churn::real::MAX_RESTART_BACKOFF,
+    )])
+    .await;
+    (seed, testbed::churn::real::RealChurnNode::start(node).await)
+}
+
 /// The churn harness (`scripts/churn --real-node`, RELIABILITY.md) cut short: ambient pods
 /// created and deleted through kubelet while the agent is SIGKILLed (also mid-ADD) or its pod
 /// deleted, the peer restarts, the API server, kubelet and containerd restart, another writer
@@ -635,16 +650,10 @@ async fn failed_component_start_names_it_and_tears_down_the_rest() {
 /// `CHURN_SEED` replays a schedule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_short_on_the_real_node() {
-    use testbed::churn::{self, ChurnConfig, FaultKind, real};
+    use testbed::churn::{self, ChurnConfig, FaultKind};
     dataplane::require_root!();
     let _one = ONE_NODE.lock().await;
-    let seed = std::env::var("CHURN_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(14);
-    let node =
-        RealNode::up_with(&[("REAL_NODE_MAX_RESTART_BACKOFF", real::MAX_RESTART_BACKOFF)]).await;
-    let mut node = real::RealChurnNode::start(node).await;
+    let (seed, mut node) = churn_node(14).await;
     // Kept short (each failed ADD costs a kubelet retry, seconds): scripts/churn --real-node is
     // the long run.
     let mut cfg = ChurnConfig::new(12, seed);
@@ -691,16 +700,10 @@ const API_PROXY_FAULTS: [testbed::churn::FaultKind; 3] = [
 /// exit) for any of it. `CHURN_SEED` replays a schedule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_faults_on_the_real_node() {
-    use testbed::churn::{self, ChurnConfig, FaultKind, real};
+    use testbed::churn::{self, ChurnConfig, FaultKind};
     dataplane::require_root!();
     let _one = ONE_NODE.lock().await;
-    let seed = std::env::var("CHURN_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(39);
-    let node =
-        RealNode::up_with(&[("REAL_NODE_MAX_RESTART_BACKOFF", real::MAX_RESTART_BACKOFF)]).await;
-    let mut node = real::RealChurnNode::start(node).await;
+    let (seed, mut node) = churn_node(39).await;
     let mut cfg = ChurnConfig::new(10, seed);
     cfg.fault_percent = 70;
     cfg.quiet_every = 5;

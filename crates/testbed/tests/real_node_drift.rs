@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
-use testbed::migrate::{netns_exec, peer_accepted, redirected_now};
+use testbed::migrate::{agent_pods, netns_exec, peer_accepted, redirected_now};
 use testbed::real_node::{
     GATEWAY, RealNode, create, get, running, wait_redirection, wait_running, witness_pod,
 };
@@ -206,16 +206,11 @@ fn assert_ready_with_restarts(p: &Pod, restarts: i32) {
 
 /// Whether no agent container was ever restarted by kubelet (none for anything in this suite).
 fn agent_never_restarted(node: &RealNode) -> bool {
-    let counts = node.kubectl(&[
-        "-n",
-        "istio-system",
-        "get",
-        "pods",
-        "-l",
-        "k8s-app=istio-cni-node",
-        "-o",
+    let counts = agent_pods(
+        node,
+        None,
         "jsonpath={.items[*].status.containerStatuses[*].restartCount}",
-    ]);
+    );
     !counts.trim().is_empty() && counts.split_whitespace().all(|n| n == "0")
 }
 

@@ -223,16 +223,7 @@ async fn from_the_registry_onto_a_node(
         "profile=ambient",
     ]);
     node.rollout("istio-cni-node").await;
-    let pods = node.kubectl(&[
-        "-n",
-        "istio-system",
-        "get",
-        "pods",
-        "-l",
-        "k8s-app=istio-cni-node",
-        "-o",
-        "json",
-    ]);
+    let pods = testbed::migrate::agent_pods(&node, None, "json");
     let pods: Value = serde_json::from_str(&pods).unwrap();
     let status = &pods["items"][0]["status"]["containerStatuses"][0];
     assert_eq!(
