@@ -5,10 +5,21 @@
 # outside the repo. Builds only the binaries the cache lacks (a binary added to the list later costs
 # only its own packages), and everything again when the pinned version changes. The version is stamped in as a
 # release build does: kubectl and helm refuse the unstamped `v0.0.0-master+$Format:%H$`.
+# Another Kubernetes minor (the real node's version cells, issue #41) is chosen by its argument,
+# e.g. `build.sh 1.33`, which builds from that minor's pin (tools/k8s-testenv/apiserver-1.33, written
+# by tools/k8s-testenv/pin.sh); no argument, or the default's minor, is tools/k8s-testenv/apiserver.
 # Prints the cache directory on its last line.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 module="$here/../k8s-testenv/apiserver"
+want=${1:-}
+if [ -n "$want" ] && ! grep -q "^require k8s.io/kubernetes v$want\." "$module/go.mod"; then
+  module+="-$want"
+  [ -f "$module/go.mod" ] || {
+    echo "k8s-node: no pinned Kubernetes '$want' ($module/go.mod; pin one with tools/k8s-testenv/pin.sh v$want.<patch>)" >&2
+    exit 2
+  }
+fi
 k8s_version=$(awk '/^require k8s.io\/kubernetes /{print $3}' "$module/go.mod")
 cache="${K8S_NODE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-rs/k8s}/node-${k8s_version}"
 bins=(kube-apiserver kubelet kube-controller-manager kube-scheduler kube-proxy kubectl)
