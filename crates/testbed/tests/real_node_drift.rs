@@ -1,8 +1,9 @@
 //! Host drift and replaced sandboxes on the real node (issue #39): kubelet's HTTP probes to ambient
 //! pods while the node's nat rules and probe sets are wiped (`nft flush ruleset`; a firewalld-style
-//! reload that flushes everything and re-adds only the node's own rules), and a pod whose sandbox is replaced under it (its pause process killed: kubelet makes
-//! a new netns, host-local a new IP). One node, the nftables backend; the same flushes
-//! under the iptables backend are `node_e2e.rs`'s `host_flush_is_repaired_iptables` (emulated node).
+//! reload that flushes everything and re-adds only the node's own rules), and a pod whose sandbox
+//! is replaced under it (its pause process killed: kubelet makes a new netns, host-local a new
+//! IP). One node: the nftables backend first, then switched live to the iptables backend, under
+//! which `iptables -t nat -F` + `ipset flush` are repaired the same way.
 //!
 //! What tells a probe that was SNATed from one that was not: kubelet probes from the bridge
 //! gateway. SNATed to 169.254.7.127 by the host's probe rule, it bypasses the pod's redirection;
@@ -20,9 +21,12 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
-use testbed::migrate::{agent_pods, netns_exec, peer_accepted, redirected_now};
+use testbed::migrate::{
+    agent_log, agent_pods, netns_exec, peer_accepted, redirected_now, repo_path,
+};
 use testbed::real_node::{
-    GATEWAY, RealNode, create, get, running, wait_redirection, wait_running, witness_pod,
+    CHART, GATEWAY, RealNode, VALUES, create, get, running, wait_redirection, wait_running,
+    witness_pod,
 };
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
@@ -41,12 +45,14 @@ const INBOUND: u16 = 15006;
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Backend {
     Nftables,
+    Iptables,
 }
 
 impl Backend {
     fn name(self) -> &'static str {
         match self {
             Backend::Nftables => "nftables",
+            Backend::Iptables => "iptables",
         }
     }
 }
@@ -83,6 +89,7 @@ fn node_sh(node: &RealNode, script: &str) -> String {
 fn host_state(node: &RealNode, backend: Backend) -> String {
     match backend {
         Backend::Nftables => node_sh(node, "nft list ruleset"),
+        Backend::Iptables => node_sh(node, "iptables-nft-save -t nat; ipset list"),
     }
 }
 
@@ -137,6 +144,25 @@ async fn wait_probes_bypass(
     .await
 }
 
+/// Waits until the host's probe rule and entries for `ips` are in place; on failure the message
+/// has the host's state and the agent's log (what it did or refused).
+async fn wait_host_programmed(node: &RealNode, backend: Backend, ips: &[String], what: &str) {
+    let deadline = Instant::now() + REPAIRED_WITHIN;
+    loop {
+        let state = host_state(node, backend);
+        if probes_programmed(&state, ips) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what} ({}): not after {REPAIRED_WITHIN:?}\n{state}\n--- agent log\n{}",
+            backend.name(),
+            agent_log(node)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Injects `fault` until a kubelet probe of one of `uids` is seen unSNATed (the fault took the
 /// SNAT away before the next drift check put it back), then waits until the host's probe rules
 /// and entries for `ips` are back and probes bypass the proxy again. Returns how many probes went
@@ -167,10 +193,11 @@ async fn fault_then_repair(
             host_state(node, backend)
         );
     }
-    node.eventually(
+    wait_host_programmed(
+        node,
+        backend,
+        ips,
         &format!("{what}: host probe rules back"),
-        REPAIRED_WITHIN,
-        || async { probes_programmed(&host_state(node, backend), ips).then_some(()) },
     )
     .await;
     let after = wait_probes_bypass(node, uids, &format!("{what}: probes SNATed again")).await;
@@ -331,6 +358,10 @@ async fn replace_sandbox(node: &RealNode, backend: Backend, name: &str) -> Pod {
             let rules = netns_exec(&new_ns_path, "nft", &["list", "ruleset"]);
             assert!(rules.contains("15006"), "{name}: no redirect in\n{rules}");
         }
+        Backend::Iptables => {
+            let rules = netns_exec(&new_ns_path, "iptables-nft-save", &[]);
+            assert!(rules.contains("15006"), "{name}: no redirect in\n{rules}");
+        }
     }
     // ztunnel's way: an Add of the same UID with the new netns (the old proxy drained).
     wait_peer_netns(
@@ -360,9 +391,9 @@ async fn replace_sandbox(node: &RealNode, backend: Backend, name: &str) -> Pod {
     p
 }
 
-/// kubelet's probes to ambient pods through every kind of host flush, on both backends, and two
-/// pods whose sandboxes are replaced: the probe SNAT and entries are back within a drift period
-/// or two, the pods stay Ready and are never restarted by kubelet, the agent never restarts and
+/// kubelet's probes to ambient pods through every kind of host flush, on both backends (the
+/// second reached by a live switch), and a pod whose sandbox is replaced: the probe SNAT and
+/// entries are back within a drift period or two, the pods stay Ready and are never restarted by kubelet, the agent never restarts and
 /// stays ready; a pod created while the host is being flushed is still redirected; a replaced
 /// sandbox is enrolled again in its new netns with its new IP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -488,6 +519,55 @@ async fn host_flushes_and_replaced_sandboxes_keep_probes_and_redirection() {
     for name in ["web-1", "late"] {
         assert_ready_with_restarts(&get(&node, NS, name).await.unwrap(), 0);
     }
+    assert_eq!(agent_http(&node, "8000/readyz").0, "200");
+    assert!(agent_never_restarted(&node), "the agent restarted");
+    eprintln!("nftables sandbox replaced: {:?}", began.elapsed());
+
+    // The iptables backend, switched to live: the new agent moves the pods and the host to
+    // iptables rules and an ipset, then repairs `iptables -t nat -F` + `ipset flush`. The
+    // backend is read from the ConfigMap, which the DaemonSet's template does not reflect (as in
+    // Istio's chart): the upgrade alone leaves the nftables agent running, so restart the rollout
+    // as docs/migrate-from-istio.md tells users to.
+    let ipt = Backend::Iptables;
+    node.helm(&[
+        "upgrade",
+        "istio-cni",
+        &repo_path(CHART),
+        "-n",
+        "istio-system",
+        "-f",
+        &repo_path(VALUES),
+        "--set-string",
+        &drift,
+        "--set",
+        "global.nativeNftables=false",
+    ]);
+    node.kubectl(&[
+        "-n",
+        "istio-system",
+        "rollout",
+        "restart",
+        "ds/istio-cni-node",
+    ]);
+    node.rollout("istio-cni-node").await;
+    wait_host_programmed(&node, ipt, &ips, "iptables probe rules in place").await;
+    wait_probes_bypass(&node, &uids, "probes SNATed by iptables").await;
+    let flush = "iptables-nft -t nat -F && ipset flush";
+    fault_then_repair(&node, ipt, &uids, &ips, flush, || {
+        node_sh(&node, flush);
+    })
+    .await;
+    for name in ["web-0", "web-1", "late"] {
+        assert!(redirected_now(&node, NS, name), "{name}: not redirected");
+    }
+    assert_ready_with_restarts(&get(&node, NS, "web-0").await.unwrap(), 1);
+    for name in ["web-1", "late"] {
+        assert_ready_with_restarts(&get(&node, NS, name).await.unwrap(), 0);
+    }
+    assert!(
+        host_repairs(&node, ipt) >= 1,
+        "iptables host repairs not counted"
+    );
     assert_eq!(agent_http(&node, "8000/readyz").0, "200");
     assert!(agent_never_restarted(&node), "the agent restarted");
     eprintln!("done: {:?}", began.elapsed());
