@@ -7,8 +7,9 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{ArgAction, Args, Subcommand, ValueEnum};
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::overrides::{interface_list, parse_bool};
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::overrides::interface_list;
+use cni_core::redirect::parse_go_bool;
 use dataplane::inpod::RuleState;
 use dataplane::netns::Netns;
 use dataplane::{BackendOptions, backend, pod};
@@ -53,7 +54,7 @@ impl BackendName {
 }
 
 fn go_bool(s: &str) -> Result<bool, String> {
-    parse_bool(s).ok_or_else(|| {
+    parse_go_bool(s).ok_or_else(|| {
         format!("{s:?} is not a boolean (1/t/T/TRUE/true/True, 0/f/F/FALSE/false/False)")
     })
 }
@@ -238,11 +239,11 @@ fn host(a: HostArgs) -> anyhow::Result<ExitCode> {
                 cfg.ipv6,
             )?;
             if a.common.dry_run {
-                for f in cni_core::redirect::iptables::families(&cfg) {
+                for f in cni_core::redirect::ambient::iptables::families(&cfg) {
                     print!(
                         "{}",
                         cni_core::redirect::iptables::restore_text(
-                            &cni_core::redirect::iptables::host_probe_rules(&cfg, f)
+                            &cni_core::redirect::ambient::iptables::host_probe_rules(&cfg, f)
                         )
                     );
                 }
@@ -258,7 +259,7 @@ fn host(a: HostArgs) -> anyhow::Result<ExitCode> {
         }
         BackendName::Nftables => {
             let kubelet_uid = dataplane::nft::host::kubelet_uid(&a.proc_root)?;
-            let hcfg = cni_core::redirect::nft::HostProbeConfig {
+            let hcfg = cni_core::redirect::ambient::nft::HostProbeConfig {
                 kubelet_uid,
                 ipv6: cfg.ipv6,
                 probe_snat_v4: cfg.probe_snat_v4,
@@ -276,7 +277,10 @@ fn host(a: HostArgs) -> anyhow::Result<ExitCode> {
                         &host, &hcfg,
                     )?));
                 }
-                _ => print!("{}", cni_core::redirect::nft::host_ruleset(&hcfg).render()),
+                _ => print!(
+                    "{}",
+                    cni_core::redirect::ambient::nft::host_ruleset(&hcfg).render()
+                ),
             }
         }
     }

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use cni_agent::ambient::mesh::PodRules;
 use cni_agent::ambient::node::NodeDataplane;
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::consts::OUTBOUND_PORT;
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::consts::OUTBOUND_PORT;
 use dataplane::test_support::{TestNetns, run};
 
 const HOST_IP: &str = "10.79.0.1";

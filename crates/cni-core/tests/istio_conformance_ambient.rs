@@ -32,12 +32,13 @@
 #[path = "support/istio_pin.rs"]
 mod istio_pin;
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::consts::PROBE_SNAT_V4;
-use cni_core::redirect::iptables::{Family, host_probe_rules, inpod_restore, restore_text};
-use cni_core::redirect::nft::{
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::consts::PROBE_SNAT_V4;
+use cni_core::redirect::ambient::iptables::{host_probe_rules, inpod_restore};
+use cni_core::redirect::ambient::nft::{
     HostProbeConfig, NAT_TABLE, PROBE_SET_COMMENT, host_ruleset, inpod_ruleset, probe_set_name,
 };
+use cni_core::redirect::iptables::{Family, restore_text};
 use istio_pin::istio_module::{self, Allowed, OnlyIn};
 use istio_pin::{Backend, Setup};
 

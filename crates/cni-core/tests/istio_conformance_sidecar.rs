@@ -142,7 +142,7 @@ impl Case {
             Ok(Detection::Skip(why)) => return Err(format!("skipped: {why}")),
             Err(e) => return Err(format!("rejected: {e}")),
         };
-        Ok(sidecar::iptables_restore(&cfg)
+        Ok(sidecar::iptables::restore(&cfg)
             .into_iter()
             .flat_map(|(_, text)| text.lines().map(str::to_string).collect::<Vec<_>>())
             .collect())

@@ -235,9 +235,9 @@ fn good_values_are_parsed() {
     assert!(cfg.dual_stack);
     assert!(!cfg.drop_invalid, "unparsable env keeps the default");
     // The IPv6 range only appears in the IPv6 rules.
-    let v4 = sidecar::iptables_rules(&cfg, cni_core::redirect::iptables::Family::V4);
+    let v4 = sidecar::iptables::rules(&cfg, cni_core::redirect::iptables::Family::V4);
     assert!(v4.iter().all(|r| !r.args.contains("fd00::/8")));
-    let v6 = sidecar::iptables_rules(&cfg, cni_core::redirect::iptables::Family::V6);
+    let v6 = sidecar::iptables::rules(&cfg, cni_core::redirect::iptables::Family::V6);
     assert!(v6.iter().any(|r| r.args == "-d fd00::/8 -j ISTIO_REDIRECT"));
     assert!(v6.iter().any(|r| r.args == "-o lo -s ::6/128 -j RETURN"));
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::netns::Netns;
 use dataplane::nft::NftablesBackend;

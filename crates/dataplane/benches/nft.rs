@@ -5,8 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::nft::inpod_ruleset;
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::nft::inpod_ruleset;
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::nft::{NftablesBackend, with_socket};
 use dataplane::routes;

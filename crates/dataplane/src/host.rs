@@ -5,8 +5,9 @@
 use std::net::IpAddr;
 use std::process::{Command, Stdio};
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::iptables::{Family, host_probe_rules};
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::iptables::host_probe_rules;
+use cni_core::redirect::iptables::Family;
 
 use crate::inpod::RuleState;
 use crate::iptables::{IptablesBackend, IptablesError};

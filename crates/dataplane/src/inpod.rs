@@ -2,7 +2,7 @@
 //! (iptables via `iptables-restore`, nftables over netlink) implements [`InpodRules`] from the same
 //! [`InpodConfig`]; the agent never needs to know which one it holds.
 
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
 
 use crate::netns::{Netns, NetnsError};
 

@@ -14,9 +14,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::iptables::inpod_rules;
 use cni_core::redirect::iptables::{
-    CHAIN_PREFIX, Family, ParseError, Rule, TablesState, inpod_rules, jump_target,
+    CHAIN_PREFIX, Family, ParseError, Rule, TablesState, jump_target,
     replace_restore_text_claiming, restore_text,
 };
 
@@ -673,7 +674,7 @@ impl InpodRules for IptablesBackend {
     }
 
     fn render(&self, cfg: &InpodConfig) -> String {
-        cni_core::redirect::iptables::inpod_restore(cfg)
+        cni_core::redirect::ambient::iptables::inpod_restore(cfg)
             .into_iter()
             .map(|(_, t)| t)
             .collect()

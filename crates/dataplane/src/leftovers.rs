@@ -9,9 +9,9 @@
 //! over netlink, legacy iptables tables are read from the namespace's `/proc/.../net` files, and
 //! the iptables tools only run when one of those shows something.
 
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::nft::{INPOD_TABLES, NAT_TABLE};
 use cni_core::redirect::iptables::Family;
-use cni_core::redirect::nft::{INPOD_TABLES, NAT_TABLE};
 
 use crate::host::{HostError, ProbeSet};
 use crate::inpod::{InpodRules, RuleError, RuleState};

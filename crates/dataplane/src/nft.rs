@@ -13,8 +13,9 @@ pub mod wire;
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::nft::{INPOD_TABLES, Ruleset, diff, inpod_ruleset};
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::nft::{INPOD_TABLES, inpod_ruleset};
+use cni_core::redirect::nft::{Ruleset, diff};
 
 use crate::inpod::{Drift, InpodRules, RuleError, RuleState};
 use crate::netlink::{Encoded, NetlinkError, NetlinkSocket};

@@ -2,7 +2,7 @@
 //! backend together, in Istio's order (routes, then rules), never leaving half of it behind on
 //! a fresh pod.
 
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
 
 use crate::inpod::{Drift, InpodRules, RuleError, RuleState};
 use crate::netns::{Netns, NetnsError};

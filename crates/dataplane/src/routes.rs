@@ -5,7 +5,9 @@
 //! Equivalent to `ip route replace local 0.0.0.0/0 dev lo table 100` and
 //! `ip rule add fwmark 0x111/0xfff pref 32764 lookup 100` (and the IPv6 pair), over netlink.
 
-use cni_core::redirect::consts::{MARK_MASK, ROUTE_TABLE, RULE_PRIORITY, TPROXY_MARK};
+use cni_core::redirect::ambient::consts::{
+    MARK_MASK, ROUTE_TABLE, RULE_PRIORITY, ZTUNNEL_CONNMARK,
+};
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
 use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
 use netlink_packet_route::route::{
@@ -73,7 +75,7 @@ pub struct Policy {
 impl Policy {
     pub const AMBIENT: Policy = Policy {
         table: ROUTE_TABLE,
-        mark: TPROXY_MARK,
+        mark: ZTUNNEL_CONNMARK,
         mask: MARK_MASK,
         priority: RULE_PRIORITY,
     };
@@ -90,7 +92,7 @@ pub enum RoutePiece {
 
 impl std::fmt::Display for RoutePiece {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (m, mm, t, p) = (TPROXY_MARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY);
+        let (m, mm, t, p) = (ZTUNNEL_CONNMARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY);
         match self {
             RoutePiece::LocalRouteV4 => write!(f, "ip route local 0.0.0.0/0 dev lo table {t}"),
             RoutePiece::LocalRouteV6 => write!(f, "ip -6 route local ::/0 dev lo table {t}"),

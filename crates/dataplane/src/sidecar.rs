@@ -7,10 +7,10 @@
 
 use cni_core::redirect::iptables::{Family, Rule, restore_text};
 use cni_core::redirect::nft::diff as nft_diff;
+use cni_core::redirect::sidecar::iptables as sidecar_iptables;
 use cni_core::redirect::sidecar::nft as sidecar_nft;
 use cni_core::redirect::sidecar::{
     INBOUND_TPROXY_MARK, InterceptionMode, SidecarConfig, TPROXY_ROUTE_TABLE, families,
-    iptables_rules,
 };
 
 use crate::inpod::RuleState;
@@ -218,7 +218,7 @@ pub fn render(nftables: bool, cfg: &SidecarConfig) -> String {
 fn rules_for(cfg: &SidecarConfig) -> impl Fn(Family) -> Vec<Rule> + '_ {
     move |family| {
         if families(cfg).contains(&family) {
-            iptables_rules(cfg, family)
+            sidecar_iptables::rules(cfg, family)
         } else {
             Vec::new()
         }
@@ -232,7 +232,7 @@ fn render_iptables(cfg: &SidecarConfig) -> String {
         if family == Family::V6 {
             out.push_str("# ip6tables-restore --noflush\n");
         }
-        out.push_str(&restore_text(&iptables_rules(cfg, family)));
+        out.push_str(&restore_text(&sidecar_iptables::rules(cfg, family)));
     }
     out
 }

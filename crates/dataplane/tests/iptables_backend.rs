@@ -2,7 +2,8 @@
 //! a host namespace holds, apply, idempotence, drift repair in one transaction, config changes,
 //! removal without residue.
 
-use cni_core::redirect::{InpodConfig, InterfaceName};
+use cni_core::redirect::InterfaceName;
+use cni_core::redirect::ambient::InpodConfig;
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;
 use dataplane::iptables::detect::{Detection, Reason, Variant, detect};

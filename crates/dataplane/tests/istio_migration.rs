@@ -12,7 +12,7 @@
 #[path = "../../cni-core/tests/support/istio_pin.rs"]
 mod istio_pin;
 
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
 use dataplane::host;
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;

@@ -1,7 +1,7 @@
 //! Finding and removing the state of the backend not in use (a backend switch on a live node).
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::nft::HostProbeConfig;
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::nft::HostProbeConfig;
 use dataplane::host::{self, ProbeSet};
 use dataplane::inpod::InpodRules;
 use dataplane::iptables::IptablesBackend;

@@ -4,8 +4,10 @@
 use std::collections::HashSet;
 use std::net::IpAddr;
 
-use cni_core::redirect::nft::{HostProbeConfig, RAW_TABLE, Rule, inpod_ruleset};
-use cni_core::redirect::{InpodConfig, InterfaceName, consts};
+use cni_core::redirect::InterfaceName;
+use cni_core::redirect::ambient::nft::{HostProbeConfig, RAW_TABLE, inpod_ruleset};
+use cni_core::redirect::ambient::{InpodConfig, consts};
+use cni_core::redirect::nft::Rule;
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::nft::generations::Generations;
 use dataplane::nft::host::{

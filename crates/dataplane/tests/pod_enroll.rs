@@ -1,7 +1,7 @@
 //! Enrollment primitives: routes and rules together, for every backend, and the rollback that
 //! keeps a failed enrollment from leaving half a pod behind.
 
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
 use dataplane::inpod::{InpodRules, RuleError, RuleState};
 use dataplane::netns::Netns;
 use dataplane::test_support::TestNetns;

@@ -5,10 +5,11 @@
 //!
 //! Input layout: first byte = flags (bit 0: IPv6), then NUL-separated key, value, key, value, …
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::iptables::{TablesState, inpod_restore};
-use cni_core::redirect::nft::inpod_ruleset;
-use cni_core::redirect::overrides::inpod_config;
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::iptables::inpod_restore;
+use cni_core::redirect::ambient::nft::inpod_ruleset;
+use cni_core::redirect::ambient::overrides::inpod_config;
+use cni_core::redirect::iptables::TablesState;
 use cni_core::redirect::sidecar::{self, ANNOTATION_STATUS, Detection, PROXY_CONTAINER};
 use serde_json::{Map, Value, json};
 
@@ -53,7 +54,7 @@ pub fn run(data: &[u8]) {
         "spec": {"containers": [{"name": PROXY_CONTAINER, "args": ["proxy", "sidecar"]}]},
     });
     if let Ok(Detection::Sidecar(cfg)) = sidecar::detect(&pod, ipv6) {
-        well_formed(&sidecar::iptables_restore(&cfg));
+        well_formed(&sidecar::iptables::restore(&cfg));
         let _ = sidecar::nft::ruleset(&cfg).render();
     }
 }

@@ -1,10 +1,9 @@
 //! `iptables-save` output read back from a pod's namespace (verify, drift repair, cleanup):
 //! whatever it prints parses or is refused, and what parses can be reconciled against our rules.
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::iptables::{
-    Family, TablesState, inpod_rules, jump_target, replace_restore_text,
-};
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::iptables::inpod_rules;
+use cni_core::redirect::iptables::{Family, TablesState, jump_target, replace_restore_text};
 
 pub fn run(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {

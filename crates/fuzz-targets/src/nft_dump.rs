@@ -7,7 +7,7 @@
 //! Input layout: one datagram as received, holding the replies to all four dumps; replies count
 //! when their sequence number is 1.
 
-use cni_core::redirect::nft::INPOD_TABLES;
+use cni_core::redirect::ambient::nft::INPOD_TABLES;
 use dataplane::netlink::{DumpReplies, messages};
 use dataplane::nft::wire::{decode_tables, reply_type};
 

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use cni_core::redirect::consts::{
+use cni_core::redirect::ambient::consts::{
     DNS_PROXY_PORT, INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, ZTUNNEL_MARK,
 };
 use dataplane::netns::Netns;

@@ -7,8 +7,10 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::consts::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::consts::{
+    INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT,
+};
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::netns::Netns;
 use dataplane::test_support::TestNetns;

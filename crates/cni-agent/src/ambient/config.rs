@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use clap::{ArgAction, Args};
 
 use cni_core::enroll::{CompiledSelectors, EnablementSelector};
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
 
 use crate::config::{ConfigError, go_bool};
 

@@ -10,9 +10,9 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use cni_core::redirect::InpodConfig;
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::nft::HostProbeConfig;
 use cni_core::redirect::iptables::Family;
-use cni_core::redirect::nft::HostProbeConfig;
 use dataplane::brancheni::{self, BranchEni};
 use dataplane::inpod::{Drift, InpodRules, RuleState};
 use dataplane::iptables::IptablesBackend;

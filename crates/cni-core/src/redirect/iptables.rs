@@ -1,29 +1,14 @@
-//! The ambient rule sets in iptables syntax: `iptables-restore` input for the pod and the host,
-//! the removal commands, and a parser of `iptables-save` output used to verify what is installed.
-//!
-//! The restore text is byte-identical to Istio's (table order, `-N` order, rule order and
-//! spelling), so a node can move between Istio's agent and ours without the rules looking drifted.
-//! `tests/istio_conformance_ambient.rs` checks it against the pinned Istio's goldens.
+//! iptables syntax shared by both modes: the [`Rule`] model, the `iptables-restore` renderer, a
+//! parser of `iptables-save` output used to verify what is installed, and the one-transaction
+//! replacement of whatever of ours is live. The rule sets themselves are in
+//! [`super::ambient::iptables`] and [`super::sidecar::iptables`].
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::InpodConfig;
-use super::consts::{
-    DNS_PROXY_PORT, INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, MARK_MASK, OUTBOUND_PORT,
-    PROBE_SET_PREFIX, TPROXY_MARK, ZTUNNEL_MARK,
-};
-
-/// Chain jumped to from PREROUTING in the pod (mangle, nat, raw).
-pub const CHAIN_PREROUTING: &str = "ISTIO_PRERT";
-/// Chain jumped to from OUTPUT in the pod (mangle, nat, raw).
-pub const CHAIN_OUTPUT: &str = "ISTIO_OUTPUT";
-/// Host chain jumped to from nat POSTROUTING.
-pub const CHAIN_HOST_POSTROUTING: &str = "ISTIO_POSTRT";
 /// Prefix of every chain we own; chains with it that we did not plan are foreign leftovers.
 pub const CHAIN_PREFIX: &str = "ISTIO_";
 
-const RESTORE_MASK: u32 = 0xffff_ffff;
 const BUILTIN_CHAINS: [&str; 5] = ["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
 
 /// Address family: selects `iptables` or `ip6tables` and the per-family addresses.
@@ -38,14 +23,6 @@ impl Family {
         match self {
             Family::V4 => "127.0.0.1/32",
             Family::V6 => "::1/128",
-        }
-    }
-
-    /// Name of the host probe address set for this family.
-    pub fn probe_set(self) -> String {
-        match self {
-            Family::V4 => format!("{PROBE_SET_PREFIX}-v4"),
-            Family::V6 => format!("{PROBE_SET_PREFIX}-v6"),
         }
     }
 }
@@ -68,7 +45,11 @@ pub struct Rule {
 }
 
 impl Rule {
-    fn append(table: &'static str, chain: &'static str, args: impl Into<String>) -> Self {
+    pub(crate) fn append(
+        table: &'static str,
+        chain: &'static str,
+        args: impl Into<String>,
+    ) -> Self {
         Rule {
             table,
             chain,
@@ -107,148 +88,6 @@ impl std::fmt::Display for Rule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "-t {} {}", self.table, self.line())
     }
-}
-
-fn mark(value: u32) -> String {
-    format!("{value:#x}/{MARK_MASK:#x}")
-}
-
-/// The in-pod rules for one family, in Istio's append order.
-pub fn inpod_rules(cfg: &InpodConfig, family: Family) -> Vec<Rule> {
-    let ztunnel = mark(ZTUNNEL_MARK);
-    let tproxy = mark(TPROXY_MARK);
-    let lo = family.loopback();
-    let probe = match family {
-        Family::V4 => cfg.probe_snat_v4.to_string(),
-        Family::V6 => cfg.probe_snat_v6.to_string(),
-    };
-    let (pre, out) = (CHAIN_PREROUTING, CHAIN_OUTPUT);
-    let mut r = vec![
-        Rule::append("mangle", "PREROUTING", format!("-j {pre}")),
-        Rule::append("mangle", "OUTPUT", format!("-j {out}")),
-        Rule::append("nat", "OUTPUT", format!("-j {out}")),
-    ];
-    if cfg.redirect_dns {
-        r.push(Rule::append("raw", "PREROUTING", format!("-j {pre}")));
-        r.push(Rule::append("raw", "OUTPUT", format!("-j {out}")));
-    }
-    r.push(Rule::append("nat", "PREROUTING", format!("-j {pre}")));
-    // Virtual interfaces (VMs, DinD) send their traffic in as if it were the pod's own egress.
-    for iface in &cfg.reroute_virtual_interfaces {
-        r.push(Rule::append(
-            "nat",
-            pre,
-            format!("-i {iface} -p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}"),
-        ));
-        r.push(Rule::append(
-            "nat",
-            pre,
-            format!("-i {iface} -p tcp -j RETURN"),
-        ));
-    }
-    // Packets ztunnel injects carry its mark; remember it on the connection so replies find it.
-    // Ingress mode needs it too: inbound HBONE still reaches the pod through ztunnel, and without
-    // the connmark the app's replies leave the pod instead of returning to ztunnel (Istio 1.29).
-    r.push(Rule::append(
-        "mangle",
-        pre,
-        format!("-m mark --mark {ztunnel} -j CONNMARK --set-xmark {tproxy}"),
-    ));
-    if !cfg.ingress_mode {
-        // Kubelet probes arrive SNATed to the probe address and go straight to the app.
-        r.push(Rule::append(
-            "nat",
-            pre,
-            format!("-s {probe} -p tcp -m tcp -j ACCEPT"),
-        ));
-    }
-    r.push(Rule::append(
-        "nat",
-        out,
-        format!("-d {probe} -p tcp -m tcp -j ACCEPT"),
-    ));
-    if !cfg.ingress_mode {
-        r.push(Rule::append(
-            "nat",
-            pre,
-            format!(
-                "! -d {lo} -p tcp ! --dport {INBOUND_HBONE_PORT} -m mark ! --mark {ztunnel} -j REDIRECT --to-ports {INBOUND_PLAINTEXT_PORT}"
-            ),
-        ));
-    }
-    r.push(Rule::append(
-        "mangle",
-        out,
-        format!(
-            "-m connmark --mark {tproxy} -j CONNMARK --restore-mark --nfmask {RESTORE_MASK:#x} --ctmask {RESTORE_MASK:#x}"
-        ),
-    ));
-    if cfg.redirect_dns {
-        r.push(Rule::append(
-            "nat",
-            out,
-            format!("! -o lo -p udp -m mark ! --mark {ztunnel} -m udp --dport 53 -j REDIRECT --to-port {DNS_PROXY_PORT}"),
-        ));
-        r.push(Rule::append(
-            "nat",
-            out,
-            format!("! -d {lo} -p tcp --dport 53 -m mark ! --mark {ztunnel} -j REDIRECT --to-ports {DNS_PROXY_PORT}"),
-        ));
-        // Separate conntrack zone for proxy<->upstream DNS so its ports never collide with the app's.
-        r.push(Rule::append(
-            "raw",
-            out,
-            format!("-p udp -m mark --mark {ztunnel} -m udp --dport 53 -j CT --zone 1"),
-        ));
-        r.push(Rule::append(
-            "raw",
-            pre,
-            format!("-p udp -m mark ! --mark {ztunnel} -m udp --sport 53 -j CT --zone 1"),
-        ));
-    }
-    r.push(Rule::append(
-        "nat",
-        out,
-        format!("-p tcp -m mark --mark {tproxy} -j ACCEPT"),
-    ));
-    // The app calling its own pod IP goes over lo and must not loop through ztunnel.
-    r.push(Rule::append(
-        "nat",
-        out,
-        format!("! -d {lo} -o lo -j ACCEPT"),
-    ));
-    r.push(Rule::append(
-        "nat",
-        out,
-        format!(
-            "! -d {lo} -p tcp -m mark ! --mark {ztunnel} -j REDIRECT --to-ports {OUTBOUND_PORT}"
-        ),
-    ));
-    r
-}
-
-/// The host-netns probe SNAT rules for one family.
-pub fn host_probe_rules(cfg: &InpodConfig, family: Family) -> Vec<Rule> {
-    let to = match family {
-        Family::V4 => cfg.probe_snat_v4.to_string(),
-        Family::V6 => cfg.probe_snat_v6.to_string(),
-    };
-    vec![
-        Rule {
-            table: "nat",
-            chain: "POSTROUTING",
-            position: Position::Insert(1),
-            args: format!("-j {CHAIN_HOST_POSTROUTING}"),
-        },
-        Rule::append(
-            "nat",
-            CHAIN_HOST_POSTROUTING,
-            format!(
-                "-m owner --socket-exists -p tcp -m set --match-set {} dst -j SNAT --to-source {to}",
-                family.probe_set()
-            ),
-        ),
-    ]
 }
 
 fn is_builtin(chain: &str) -> bool {
@@ -291,55 +130,6 @@ fn declared_chains<'a>(rules: &[&'a Rule]) -> Vec<&'a str> {
         }
     }
     chains
-}
-
-/// The in-pod restore text for every family `cfg` enables (v4 first).
-pub fn inpod_restore(cfg: &InpodConfig) -> Vec<(Family, String)> {
-    families(cfg)
-        .into_iter()
-        .map(|f| (f, restore_text(&inpod_rules(cfg, f))))
-        .collect()
-}
-
-/// The families `cfg` programs.
-pub fn families(cfg: &InpodConfig) -> Vec<Family> {
-    if cfg.ipv6 {
-        vec![Family::V4, Family::V6]
-    } else {
-        vec![Family::V4]
-    }
-}
-
-/// Istio's in-pod removal, as `iptables` argument lists, in order; every error is ignored (the
-/// optional raw chains and already-removed jumps fail harmlessly).
-pub fn inpod_removal_commands() -> Vec<Vec<&'static str>> {
-    let (pre, out) = (CHAIN_PREROUTING, CHAIN_OUTPUT);
-    let mut cmds = vec![
-        vec!["-t", "mangle", "-D", "PREROUTING", "-j", pre],
-        vec!["-t", "mangle", "-D", "OUTPUT", "-j", out],
-        vec!["-t", "nat", "-D", "OUTPUT", "-j", out],
-        vec!["-t", "raw", "-D", "PREROUTING", "-j", pre],
-        vec!["-t", "raw", "-D", "OUTPUT", "-j", out],
-        vec!["-t", "nat", "-D", "PREROUTING", "-j", pre],
-    ];
-    for op in ["-F", "-X"] {
-        for table in ["mangle", "nat", "raw"] {
-            for chain in [pre, out] {
-                cmds.push(vec!["-t", table, op, chain]);
-            }
-        }
-    }
-    cmds
-}
-
-/// Host rule removal (run before re-creating them at startup, and on shutdown).
-pub fn host_removal_commands() -> Vec<Vec<&'static str>> {
-    let c = CHAIN_HOST_POSTROUTING;
-    vec![
-        vec!["-t", "nat", "-D", "POSTROUTING", "-j", c],
-        vec!["-t", "nat", "-F", c],
-        vec!["-t", "nat", "-X", c],
-    ]
 }
 
 /// Chains and rules of some tables, as `iptables-save` (or restore input) lists them. Rules are
@@ -561,6 +351,8 @@ pub fn replace_restore_text_claiming(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::redirect::ambient::InpodConfig;
+    use crate::redirect::ambient::iptables::{host_probe_rules, inpod_rules};
 
     const SAVE: &str = "# Generated by iptables-save v1.8.9 (nf_tables)
 *mangle
@@ -651,22 +443,6 @@ COMMIT
             "{text}"
         );
         assert!(!text.contains("-A "), "{text}");
-    }
-
-    #[test]
-    fn removal_commands_match_istio_order() {
-        let cmds = inpod_removal_commands();
-        assert_eq!(cmds.len(), 18);
-        assert_eq!(
-            cmds[0],
-            ["-t", "mangle", "-D", "PREROUTING", "-j", "ISTIO_PRERT"]
-        );
-        assert_eq!(
-            cmds[5],
-            ["-t", "nat", "-D", "PREROUTING", "-j", "ISTIO_PRERT"]
-        );
-        assert_eq!(cmds[6], ["-t", "mangle", "-F", "ISTIO_PRERT"]);
-        assert_eq!(cmds[17], ["-t", "raw", "-X", "ISTIO_OUTPUT"]);
     }
 
     #[test]

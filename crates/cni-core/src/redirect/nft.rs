@@ -1,46 +1,21 @@
-//! The nftables form of ambient redirection as plain data: tables, chains, sets and rules made of
-//! typed expressions. The dataplane encodes this model to netfilter netlink and decodes the
+//! The nftables model both modes render into, as plain data: tables, chains, sets and rules made
+//! of typed expressions. The dataplane encodes this model to netfilter netlink and decodes the
 //! kernel's state back into it, so `verify` compares like with like; the text rendering is what
-//! operators, goldens and drift reports read.
+//! operators, goldens and drift reports read. The rule sets themselves are in
+//! [`super::ambient::nft`] and [`super::sidecar::nft`].
 //!
-//! The text follows the `nft` syntax of Istio's transaction (`add table …`, `add rule …`). Two
+//! The text follows the `nft` syntax of Istio's transactions (`add table …`, `add rule …`). Two
 //! spellings are normalised because the model cannot (and need not) remember them: packet-mark
 //! matches are always written `mark and <mask> <op> <value>` (Istio mixes `meta mark &`,
 //! `meta mark and` and `mark and` for the same expression) and runs of spaces are single.
 
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
-use super::{InpodConfig, consts};
-
-pub const NAT_TABLE: &str = "istio-ambient-nat";
-pub const MANGLE_TABLE: &str = "istio-ambient-mangle";
-pub const RAW_TABLE: &str = "istio-ambient-raw";
-/// Every table the in-pod rule set may create; `remove` and `verify` look at exactly these.
-pub const INPOD_TABLES: [&str; 3] = [NAT_TABLE, MANGLE_TABLE, RAW_TABLE];
-
+/// Base chain names, after their hooks, in every table of ours.
 pub const PREROUTING: &str = "prerouting";
 pub const OUTPUT: &str = "output";
 pub const POSTROUTING: &str = "postrouting";
-pub const ISTIO_PREROUTING: &str = "istio-prerouting";
-pub const ISTIO_OUTPUT: &str = "istio-output";
-
-/// Comment Istio puts on the host probe sets.
-pub const PROBE_SET_COMMENT: &str = "UUID of the pods that are part of ambient mesh";
-
-/// Loopback destinations that are never captured.
-const LOOPBACK_V4: Prefix = Prefix {
-    addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
-    len: 32,
-};
-const LOOPBACK_V6: Prefix = Prefix {
-    addr: IpAddr::V6(Ipv6Addr::LOCALHOST),
-    len: 128,
-};
-/// `ct mark set ct mark & KEEP | 0x111`: keeps the connmark bits outside our mask.
-const CT_MARK_KEEP: u32 = !consts::MARK_MASK;
-/// Where pods send DNS (the port ztunnel's DNS proxy captures), not the proxy's own port.
-const DNS_SERVER_PORT: u16 = 53;
 
 /// Conntrack state bits (`NF_CT_STATE_*_BIT`), in the order `nft` prints them.
 pub mod ct_state {
@@ -496,14 +471,14 @@ impl Chain {
 }
 
 impl Table {
-    fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         Table {
             name: name.to_string(),
             ..Table::default()
         }
     }
 
-    fn push(&mut self, chain: &str, exprs: Vec<Expr>) {
+    pub(crate) fn push(&mut self, chain: &str, exprs: Vec<Expr>) {
         self.rules.push(Rule::new(chain, exprs));
     }
 
@@ -601,347 +576,6 @@ impl Ruleset {
 
     pub fn table(&self, name: &str) -> Option<&Table> {
         self.tables.iter().find(|t| t.name == name)
-    }
-}
-
-/// Builds the in-pod rule set for `cfg`, in Istio's transaction order (nat, mangle, raw; rules in
-/// the order Istio appends them). The raw table exists only with DNS capture.
-pub fn inpod_ruleset(cfg: &InpodConfig) -> Ruleset {
-    use Expr as E;
-    let mut nat = Table::new(NAT_TABLE);
-    let mut mangle = Table::new(MANGLE_TABLE);
-    let mut raw = Table::new(RAW_TABLE);
-    for (table, pre, out) in [
-        (&mut nat, (ChainType::Nat, -100), (ChainType::Nat, -100)),
-        (
-            &mut mangle,
-            (ChainType::Filter, -150),
-            (ChainType::Route, -150),
-        ),
-        (
-            &mut raw,
-            (ChainType::Filter, -300),
-            (ChainType::Filter, -300),
-        ),
-    ] {
-        table.chains = vec![
-            Chain::base(PREROUTING, pre.0, Hook::Prerouting, pre.1),
-            Chain::base(OUTPUT, out.0, Hook::Output, out.1),
-            Chain::regular(ISTIO_PREROUTING),
-            Chain::regular(ISTIO_OUTPUT),
-        ];
-    }
-
-    let jump = |chain: &str| vec![E::Verdict(Verdict::Jump(chain.to_string()))];
-    let mark = |op, value| E::Mark {
-        mask: consts::MARK_MASK,
-        op,
-        value,
-    };
-    let not_ztunnel = || mark(CmpOp::Ne, consts::ZTUNNEL_MARK);
-    let addr = |field, op, prefix| E::Addr { field, op, prefix };
-    let host = |a: IpAddr| Prefix::host(a);
-    let tcp = || E::L4Proto(L4Proto::Tcp);
-    let accept = || E::Verdict(Verdict::Accept);
-    let v4 = IpAddr::V4(cfg.probe_snat_v4);
-    let v6 = IpAddr::V6(cfg.probe_snat_v6);
-    // Each IPv4 rule that names an address has an IPv6 twin right after it.
-    let families = |ipv6: bool| -> Vec<(IpAddr, Prefix)> {
-        let mut f = vec![(v4, LOOPBACK_V4)];
-        if ipv6 {
-            f.push((v6, LOOPBACK_V6));
-        }
-        f
-    };
-    let fams = families(cfg.ipv6);
-
-    mangle.push(PREROUTING, jump(ISTIO_PREROUTING));
-    mangle.push(OUTPUT, jump(ISTIO_OUTPUT));
-    nat.push(OUTPUT, jump(ISTIO_OUTPUT));
-    if cfg.redirect_dns {
-        raw.push(PREROUTING, jump(ISTIO_PREROUTING));
-        raw.push(OUTPUT, jump(ISTIO_OUTPUT));
-    }
-    nat.push(PREROUTING, jump(ISTIO_PREROUTING));
-
-    // Virtual interfaces short-circuit first: inbound TCP on them is treated as outbound.
-    for iface in &cfg.reroute_virtual_interfaces {
-        let iif = || E::Iface {
-            field: IfField::Iifname,
-            op: CmpOp::Eq,
-            name: iface.as_str().to_string(),
-        };
-        nat.push(
-            ISTIO_PREROUTING,
-            vec![
-                iif(),
-                tcp(),
-                E::Counter,
-                E::Redirect {
-                    port: consts::OUTBOUND_PORT,
-                },
-            ],
-        );
-        nat.push(
-            ISTIO_PREROUTING,
-            vec![iif(), tcp(), E::Counter, E::Verdict(Verdict::Return)],
-        );
-    }
-
-    // Packets ztunnel sends into the pod get a connmark, so the app's replies can be routed back.
-    mangle.push(
-        ISTIO_PREROUTING,
-        vec![
-            mark(CmpOp::Eq, consts::ZTUNNEL_MARK),
-            E::Counter,
-            E::CtMarkSetMasked {
-                keep: CT_MARK_KEEP,
-                or: consts::TPROXY_MARK,
-            },
-        ],
-    );
-
-    if !cfg.ingress_mode {
-        for (probe, _) in &fams {
-            nat.push(
-                ISTIO_PREROUTING,
-                vec![
-                    tcp(),
-                    addr(AddrField::Saddr, CmpOp::Eq, host(*probe)),
-                    E::Counter,
-                    accept(),
-                ],
-            );
-        }
-    }
-    for (probe, _) in &fams {
-        nat.push(
-            ISTIO_OUTPUT,
-            vec![
-                tcp(),
-                addr(AddrField::Daddr, CmpOp::Eq, host(*probe)),
-                E::Counter,
-                accept(),
-            ],
-        );
-    }
-    if !cfg.ingress_mode {
-        for (_, lo) in &fams {
-            nat.push(
-                ISTIO_PREROUTING,
-                vec![
-                    addr(AddrField::Daddr, CmpOp::Ne, *lo),
-                    E::Port {
-                        proto: L4Proto::Tcp,
-                        field: PortField::Dport,
-                        op: CmpOp::Ne,
-                        port: consts::INBOUND_HBONE_PORT,
-                    },
-                    not_ztunnel(),
-                    E::Counter,
-                    E::Redirect {
-                        port: consts::INBOUND_PLAINTEXT_PORT,
-                    },
-                ],
-            );
-        }
-    }
-
-    mangle.push(
-        ISTIO_OUTPUT,
-        vec![
-            E::CtMark {
-                mask: consts::MARK_MASK,
-                op: CmpOp::Eq,
-                value: consts::TPROXY_MARK,
-            },
-            E::Counter,
-            E::MarkSetCtMark,
-        ],
-    );
-
-    if cfg.redirect_dns {
-        let dns_redirect = E::Redirect {
-            port: consts::DNS_PROXY_PORT,
-        };
-        nat.push(
-            ISTIO_OUTPUT,
-            vec![
-                E::Iface {
-                    field: IfField::Oifname,
-                    op: CmpOp::Ne,
-                    name: "lo".to_string(),
-                },
-                not_ztunnel(),
-                E::Port {
-                    proto: L4Proto::Udp,
-                    field: PortField::Dport,
-                    op: CmpOp::Eq,
-                    port: DNS_SERVER_PORT,
-                },
-                E::Counter,
-                dns_redirect.clone(),
-            ],
-        );
-        for (_, lo) in &fams {
-            nat.push(
-                ISTIO_OUTPUT,
-                vec![
-                    addr(AddrField::Daddr, CmpOp::Ne, *lo),
-                    E::Port {
-                        proto: L4Proto::Tcp,
-                        field: PortField::Dport,
-                        op: CmpOp::Eq,
-                        port: DNS_SERVER_PORT,
-                    },
-                    not_ztunnel(),
-                    E::Counter,
-                    dns_redirect.clone(),
-                ],
-            );
-        }
-        // Proxy <-> upstream DNS traffic gets its own conntrack zone so its ports cannot collide
-        // with the app's own DNS flows.
-        raw.push(
-            ISTIO_OUTPUT,
-            vec![
-                E::Port {
-                    proto: L4Proto::Udp,
-                    field: PortField::Dport,
-                    op: CmpOp::Eq,
-                    port: DNS_SERVER_PORT,
-                },
-                mark(CmpOp::Eq, consts::ZTUNNEL_MARK),
-                E::Counter,
-                E::CtZoneSet(1),
-            ],
-        );
-        raw.push(
-            ISTIO_PREROUTING,
-            vec![
-                E::Port {
-                    proto: L4Proto::Udp,
-                    field: PortField::Sport,
-                    op: CmpOp::Eq,
-                    port: DNS_SERVER_PORT,
-                },
-                not_ztunnel(),
-                E::Counter,
-                E::CtZoneSet(1),
-            ],
-        );
-    }
-
-    nat.push(
-        ISTIO_OUTPUT,
-        vec![
-            tcp(),
-            mark(CmpOp::Eq, consts::TPROXY_MARK),
-            E::Counter,
-            accept(),
-        ],
-    );
-    // The app calling its own pod IP goes over lo and must not loop through ztunnel.
-    for (_, lo) in &fams {
-        nat.push(
-            ISTIO_OUTPUT,
-            vec![
-                E::Iface {
-                    field: IfField::Oifname,
-                    op: CmpOp::Eq,
-                    name: "lo".to_string(),
-                },
-                addr(AddrField::Daddr, CmpOp::Ne, *lo),
-                E::Counter,
-                accept(),
-            ],
-        );
-    }
-    for (_, lo) in &fams {
-        nat.push(
-            ISTIO_OUTPUT,
-            vec![
-                tcp(),
-                addr(AddrField::Daddr, CmpOp::Ne, *lo),
-                not_ztunnel(),
-                E::Counter,
-                E::Redirect {
-                    port: consts::OUTBOUND_PORT,
-                },
-            ],
-        );
-    }
-
-    let mut tables = vec![nat, mangle];
-    if cfg.redirect_dns {
-        tables.push(raw);
-    }
-    Ruleset { tables }
-}
-
-/// Inputs of the host-side probe rule (host network namespace).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HostProbeConfig {
-    /// Owner of kubelet's sockets: only its probes are SNATed.
-    pub kubelet_uid: u32,
-    pub ipv6: bool,
-    pub probe_snat_v4: Ipv4Addr,
-    pub probe_snat_v6: Ipv6Addr,
-}
-
-pub fn probe_set_name(v6: bool) -> String {
-    format!(
-        "{}-{}",
-        consts::PROBE_SET_PREFIX,
-        if v6 { "v6" } else { "v4" }
-    )
-}
-
-/// The host table: the probe address set(s) and the postrouting SNAT of kubelet's probes to
-/// enrolled pods. nftables has no `--socket-exists`, so kubelet is recognised by its UID.
-pub fn host_ruleset(cfg: &HostProbeConfig) -> Ruleset {
-    let mut table = Table::new(NAT_TABLE);
-    table.chains = vec![Chain::base(
-        POSTROUTING,
-        ChainType::Nat,
-        Hook::Postrouting,
-        100,
-    )];
-    let mut fams = vec![(false, IpAddr::V4(cfg.probe_snat_v4))];
-    if cfg.ipv6 {
-        fams.push((true, IpAddr::V6(cfg.probe_snat_v6)));
-    }
-    for (v6, snat) in fams {
-        table.sets.push(Set {
-            name: probe_set_name(v6),
-            key: if v6 {
-                SetKey::Ipv6Addr
-            } else {
-                SetKey::Ipv4Addr
-            },
-            comment: Some(PROBE_SET_COMMENT.to_string()),
-        });
-        table.push(
-            POSTROUTING,
-            vec![
-                Expr::L4Proto(L4Proto::Tcp),
-                Expr::Owner {
-                    gid: false,
-                    op: CmpOp::Eq,
-                    id: cfg.kubelet_uid,
-                },
-                Expr::AddrInSet {
-                    field: AddrField::Daddr,
-                    v6,
-                    set: probe_set_name(v6),
-                },
-                Expr::Counter,
-                Expr::Snat { addr: snat },
-            ],
-        );
-    }
-    Ruleset {
-        tables: vec![table],
     }
 }
 
@@ -1043,22 +677,8 @@ fn multiset_diff(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn negated_loopback_keeps_its_length_and_hosts_do_not() {
-        let ne = Expr::Addr {
-            field: AddrField::Daddr,
-            op: CmpOp::Ne,
-            prefix: LOOPBACK_V6,
-        };
-        assert_eq!(ne.to_string(), "ip6 daddr != ::1/128");
-        let eq = Expr::Addr {
-            field: AddrField::Saddr,
-            op: CmpOp::Eq,
-            prefix: Prefix::host(IpAddr::V4(consts::PROBE_SNAT_V4)),
-        };
-        assert_eq!(eq.to_string(), "ip saddr 169.254.7.127");
-    }
+    use crate::redirect::ambient::InpodConfig;
+    use crate::redirect::ambient::nft::{ISTIO_OUTPUT, RAW_TABLE, inpod_ruleset};
 
     #[test]
     fn diff_of_identical_sets_is_empty() {
@@ -1108,16 +728,5 @@ mod tests {
         nat.rules.insert(2, last);
         let (missing, unexpected) = diff(&want, &have);
         assert!(!missing.is_empty() && missing.len() == unexpected.len());
-    }
-
-    #[test]
-    fn no_dns_means_no_raw_table() {
-        let rs = inpod_ruleset(&InpodConfig {
-            redirect_dns: false,
-            ..InpodConfig::default()
-        });
-        assert!(rs.table(RAW_TABLE).is_none());
-        let text = rs.render();
-        assert!(!text.contains("dport 53") && !text.contains(":15053"));
     }
 }

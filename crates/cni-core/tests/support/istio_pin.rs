@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 #[path = "../istio_module/mod.rs"]
 pub mod istio_module;
 
-use cni_core::redirect::InpodConfig;
-use cni_core::redirect::consts::PROBE_SNAT_V6;
-use cni_core::redirect::overrides::{
+use cni_core::redirect::ambient::InpodConfig;
+use cni_core::redirect::ambient::consts::PROBE_SNAT_V6;
+use cni_core::redirect::ambient::overrides::{
     self, BYPASS_INBOUND_CAPTURE, DNS_CAPTURE, REROUTE_VIRTUAL_INTERFACES,
 };
 

@@ -956,8 +956,8 @@ pub(crate) fn rule_from_wire(list: &[u8]) -> Vec<Expr> {
 
 #[cfg(test)]
 mod tests {
-    use cni_core::redirect::InpodConfig;
-    use cni_core::redirect::nft::{HostProbeConfig, host_ruleset, inpod_ruleset};
+    use cni_core::redirect::ambient::InpodConfig;
+    use cni_core::redirect::ambient::nft::{HostProbeConfig, host_ruleset, inpod_ruleset};
     use netlink_packet_core::Emitable;
     use netlink_packet_netfilter::nftables::RuleAttribute;
 
@@ -974,8 +974,8 @@ mod tests {
         let host = HostProbeConfig {
             kubelet_uid: 1000,
             ipv6: true,
-            probe_snat_v4: cni_core::redirect::consts::PROBE_SNAT_V4,
-            probe_snat_v6: cni_core::redirect::consts::PROBE_SNAT_V6,
+            probe_snat_v4: cni_core::redirect::ambient::consts::PROBE_SNAT_V4,
+            probe_snat_v6: cni_core::redirect::ambient::consts::PROBE_SNAT_V6,
         };
         // Sidecar TPROXY + DNS + drop-invalid, dual stack: every sidecar expression at once.
         let sidecar = cni_core::redirect::sidecar::SidecarConfig {

@@ -8,9 +8,8 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use cni_core::redirect::nft::{
-    HostProbeConfig, NAT_TABLE, POSTROUTING, Set, host_ruleset, probe_set_name,
-};
+use cni_core::redirect::ambient::nft::{HostProbeConfig, NAT_TABLE, host_ruleset, probe_set_name};
+use cni_core::redirect::nft::{POSTROUTING, Set};
 use netlink_packet_netfilter::nftables::{
     DataAttribute, ListAttribute, NfTablesMessage, SetElementAttribute, SetElementList,
     SetElementMessage,

@@ -1,20 +1,20 @@
-//! The sidecar rule set as native nftables (`native_nftables`): the same decisions as the
-//! iptables form in the parent module, expressed in the shared nftables model, in Istio's
-//! `istio-proxy-*` tables (family `inet`, one table per hook group for both address families).
-//! Istio's `insert rule … index N` steps are resolved here, so the model holds every chain in
-//! its final order.
+//! The sidecar rule set as native nftables (`native_nftables`): the same decisions as
+//! [`super::iptables`], expressed in the shared nftables model, in Istio's `istio-proxy-*` tables
+//! (family `inet`, one table per hook group for both address families). Istio's
+//! `insert rule … index N` steps are resolved here, so the model holds every chain in its final
+//! order.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 
 use super::{
-    DNS_PROXY_PORT, INBOUND_PORT, INBOUND_TPROXY_MARK, InterceptionMode, IpRanges, OUTBOUND_PORT,
-    OwnerGroups, Ports, SidecarConfig, TUNNEL_PORT,
+    DNS_PROXY_PORT, INBOUND_PORT, INBOUND_TPROXY_MARK, InterceptionMode, IpRanges, OUTBOUND_MARK,
+    OUTBOUND_PORT, OwnerGroups, Ports, SidecarConfig, TUNNEL_PORT,
 };
 use crate::redirect::nft::{
-    AddrField, Chain, ChainType, CmpOp, Expr, Hook, IfField, L4Proto, PortField, Prefix, Rule,
-    Ruleset, Table, Verdict, ct_state,
+    AddrField, Chain, ChainType, CmpOp, Expr, Hook, IfField, L4Proto, OUTPUT, PREROUTING,
+    PortField, Prefix, Rule, Ruleset, Table, Verdict, ct_state,
 };
 
 pub const NAT_TABLE: &str = "istio-proxy-nat";
@@ -23,8 +23,6 @@ pub const RAW_TABLE: &str = "istio-proxy-raw";
 /// Every table the sidecar rule set may create; `remove` and `verify` look at exactly these.
 pub const TABLES: [&str; 3] = [NAT_TABLE, MANGLE_TABLE, RAW_TABLE];
 
-const PREROUTING: &str = "prerouting";
-const OUTPUT: &str = "output";
 const INBOUND: &str = "istio-inbound";
 const REDIRECT: &str = "istio-redirect";
 const IN_REDIRECT: &str = "istio-in-redirect";
@@ -33,7 +31,6 @@ const OUT_DNS: &str = "istio-output-dns";
 const DIVERT: &str = "istio-divert";
 const TPROXY: &str = "istio-tproxy";
 const DROP: &str = "istio-drop";
-const OUTBOUND_MARK: u32 = 1338;
 
 /// Rules of one table in evaluation order per chain.
 struct Tbl {
@@ -174,7 +171,7 @@ fn ret() -> Vec<Expr> {
 
 /// Per address family: the loopback destination, the inbound passthrough source and whether
 /// it is IPv6.
-fn families(cfg: &SidecarConfig) -> Vec<(IpNet, IpNet, bool)> {
+fn family_addrs(cfg: &SidecarConfig) -> Vec<(IpNet, IpNet, bool)> {
     let mut out = vec![(
         // Masked as the kernel (and `nft list`) holds it, so read-back compares equal.
         IpNet::V4(cfg.loopback_v4.trunc()),
@@ -195,24 +192,51 @@ fn wanted(cfg: &SidecarConfig, n: &IpNet) -> bool {
     n.addr().is_ipv4() || cfg.ipv6
 }
 
+/// The three tables, filled in Istio's order; within a table that order is the rendering's.
+struct Tables {
+    nat: Tbl,
+    mangle: Tbl,
+    raw: Tbl,
+}
+
 /// The sidecar rule set for `cfg`.
 pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
-    let mut nat = Tbl {
-        name: NAT_TABLE,
+    let tbl = |name| Tbl {
+        name,
         rules: Vec::new(),
     };
-    let mut mangle = Tbl {
-        name: MANGLE_TABLE,
-        rules: Vec::new(),
+    let mut t = Tables {
+        nat: tbl(NAT_TABLE),
+        mangle: tbl(MANGLE_TABLE),
+        raw: tbl(RAW_TABLE),
     };
-    let mut raw = Tbl {
-        name: RAW_TABLE,
-        rules: Vec::new(),
-    };
-    let tproxy = cfg.mode == InterceptionMode::Tproxy;
-    let fams = families(cfg);
-    let (eq, ne) = (CmpOp::Eq, CmpOp::Ne);
+    let fams = family_addrs(cfg);
+    interfaces_and_fixed_chains(&mut t, cfg);
+    inbound(&mut t, cfg, &fams);
+    outbound_owners(&mut t, cfg, &fams);
+    if cfg.redirect_dns {
+        dns(&mut t, cfg);
+    }
+    outbound_ranges(&mut t, cfg, &fams);
+    if cfg.mode == InterceptionMode::Tproxy {
+        tproxy_tail(&mut t, cfg, &fams);
+    }
+    let Tables { nat, mangle, raw } = t;
+    let tables = [
+        nat.finish((ChainType::Nat, -100), (ChainType::Nat, -100)),
+        mangle.finish((ChainType::Filter, -150), (ChainType::Route, -150)),
+        raw.finish((ChainType::Filter, -300), (ChainType::Filter, -300)),
+    ];
+    Ruleset {
+        tables: tables.into_iter().flatten().collect(),
+    }
+}
 
+/// Excluded and virtual interfaces, the INVALID drop, and the chains every mode starts with.
+fn interfaces_and_fixed_chains(t: &mut Tables, cfg: &SidecarConfig) {
+    let Tables { nat, mangle, .. } = t;
+    let tproxy = cfg.mode == InterceptionMode::Tproxy;
+    let eq = CmpOp::Eq;
     for i in &cfg.exclude_interfaces {
         nat.add(
             PREROUTING,
@@ -267,7 +291,13 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
         IN_REDIRECT,
         vec![tcp(), Expr::Counter, Expr::Redirect { port: INBOUND_PORT }],
     );
+}
 
+/// The inbound capture: TPROXY in mangle or REDIRECT in nat, for every port or the listed ones.
+fn inbound(t: &mut Tables, cfg: &SidecarConfig, fams: &[(IpNet, IpNet, bool)]) {
+    let Tables { nat, mangle, .. } = t;
+    let tproxy = cfg.mode == InterceptionMode::Tproxy;
+    let (eq, ne) = (CmpOp::Eq, CmpOp::Ne);
     let capture_inbound = !matches!(&cfg.include_inbound_ports, Ports::List(p) if p.is_empty());
     if capture_inbound && tproxy {
         mangle.add(
@@ -275,7 +305,7 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
             vec![Expr::Counter, Expr::MarkSet(INBOUND_TPROXY_MARK)],
         );
         mangle.add(DIVERT, vec![Expr::Counter, Expr::Verdict(Verdict::Accept)]);
-        for (lo, _, v6) in &fams {
+        for (lo, _, v6) in fams {
             mangle.add(
                 TPROXY,
                 vec![
@@ -342,13 +372,18 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
             }
         }
     }
+}
 
+/// The OUTPUT jump, excluded ports, and what the proxy's own and the owner groups' traffic does.
+fn outbound_owners(t: &mut Tables, cfg: &SidecarConfig, fams: &[(IpNet, IpNet, bool)]) {
+    let Tables { nat, .. } = t;
+    let (eq, ne) = (CmpOp::Eq, CmpOp::Ne);
     nat.add(OUTPUT, jump(OUT));
     for p in &cfg.exclude_outbound_ports {
         nat.add(OUT, with(vec![dport(L4Proto::Tcp, eq, *p)], ret()));
         nat.add(OUT, with(vec![dport(L4Proto::Udp, eq, *p)], ret()));
     }
-    for (_, passthrough, _) in &fams {
+    for (_, passthrough, _) in fams {
         nat.add(
             OUT,
             with(
@@ -362,7 +397,7 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
         IpRanges::List(nets) => nets.iter().any(|n| n.addr().is_loopback()),
     };
     for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
-        for (lo, _, _) in &fams {
+        for (lo, _, _) in fams {
             let mut m = vec![lo_out(), tcp(), addr(AddrField::Daddr, ne, *lo)];
             // The proxy's own DNS queries over lo go to the DNS proxy, not the inbound listener.
             if cfg.redirect_dns && !gid {
@@ -398,50 +433,60 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
             nat.add(OUT, with(m, ret()));
         }
     }
-    if cfg.redirect_dns {
-        raw.add(OUTPUT, jump(OUT_DNS));
-        nat.add(OUT, jump(OUT_DNS));
-        let to_dns = || {
-            vec![
-                Expr::Counter,
-                Expr::Redirect {
-                    port: DNS_PROXY_PORT,
-                },
-            ]
-        };
-        nat.add(
-            OUT_DNS,
-            with(vec![tcp(), dport(L4Proto::Tcp, eq, 53)], to_dns()),
-        );
-        nat.add(OUT_DNS, with(vec![dport(L4Proto::Udp, eq, 53)], to_dns()));
-        let zone = |z| vec![Expr::Counter, Expr::CtZoneSet(z)];
-        for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
-            raw.add(
-                OUT_DNS,
-                with(
-                    vec![dport(L4Proto::Udp, eq, 53), owner(gid, eq, id)],
-                    zone(1),
-                ),
-            );
-            raw.add(
-                OUT_DNS,
-                with(
-                    vec![
-                        port(L4Proto::Udp, PortField::Sport, eq, DNS_PROXY_PORT),
-                        owner(gid, eq, id),
-                    ],
-                    zone(2),
-                ),
-            );
-        }
-        raw.add(PREROUTING, jump(INBOUND));
-        raw.add(OUT_DNS, with(vec![dport(L4Proto::Udp, eq, 53)], zone(2)));
+}
+
+/// DNS to the agent's DNS proxy, and the conntrack zones of its two legs.
+fn dns(t: &mut Tables, cfg: &SidecarConfig) {
+    let Tables { nat, raw, .. } = t;
+    let eq = CmpOp::Eq;
+    raw.add(OUTPUT, jump(OUT_DNS));
+    nat.add(OUT, jump(OUT_DNS));
+    let to_dns = || {
+        vec![
+            Expr::Counter,
+            Expr::Redirect {
+                port: DNS_PROXY_PORT,
+            },
+        ]
+    };
+    nat.add(
+        OUT_DNS,
+        with(vec![tcp(), dport(L4Proto::Tcp, eq, 53)], to_dns()),
+    );
+    nat.add(OUT_DNS, with(vec![dport(L4Proto::Udp, eq, 53)], to_dns()));
+    let zone = |z| vec![Expr::Counter, Expr::CtZoneSet(z)];
+    for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
         raw.add(
-            INBOUND,
-            with(vec![port(L4Proto::Udp, PortField::Sport, eq, 53)], zone(1)),
+            OUT_DNS,
+            with(
+                vec![dport(L4Proto::Udp, eq, 53), owner(gid, eq, id)],
+                zone(1),
+            ),
+        );
+        raw.add(
+            OUT_DNS,
+            with(
+                vec![
+                    port(L4Proto::Udp, PortField::Sport, eq, DNS_PROXY_PORT),
+                    owner(gid, eq, id),
+                ],
+                zone(2),
+            ),
         );
     }
-    for (lo, _, _) in &fams {
+    raw.add(PREROUTING, jump(INBOUND));
+    raw.add(OUT_DNS, with(vec![dport(L4Proto::Udp, eq, 53)], zone(2)));
+    raw.add(
+        INBOUND,
+        with(vec![port(L4Proto::Udp, PortField::Sport, eq, 53)], zone(1)),
+    );
+}
+
+/// Loopback and excluded destinations return; included ports and ranges are captured.
+fn outbound_ranges(t: &mut Tables, cfg: &SidecarConfig, fams: &[(IpNet, IpNet, bool)]) {
+    let Tables { nat, .. } = t;
+    let eq = CmpOp::Eq;
+    for (lo, _, _) in fams {
         nat.add(OUT, with(vec![addr(AddrField::Daddr, eq, *lo)], ret()));
     }
     for n in cfg
@@ -490,87 +535,82 @@ pub fn ruleset(cfg: &SidecarConfig) -> Ruleset {
             }
         }
     }
-    if tproxy {
-        mangle.add(
-            PREROUTING,
-            vec![
-                tcp(),
-                mark(eq, INBOUND_TPROXY_MARK),
-                Expr::Counter,
-                Expr::CtMarkSetMark,
-            ],
-        );
-        mangle.add(
-            OUTPUT,
-            with(vec![lo_out(), tcp(), mark(eq, INBOUND_TPROXY_MARK)], ret()),
-        );
-        for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
-            for (lo, _, _) in &fams {
-                mangle.add(
-                    OUTPUT,
-                    vec![
-                        lo_out(),
-                        tcp(),
-                        addr(AddrField::Daddr, ne, *lo),
-                        owner(gid, eq, id),
-                        Expr::Counter,
-                        Expr::MarkSet(OUTBOUND_MARK),
-                    ],
-                );
-            }
-        }
-        mangle.add(
-            OUTPUT,
-            vec![
-                tcp(),
-                Expr::CtMark {
-                    mask: u32::MAX,
-                    op: eq,
-                    value: INBOUND_TPROXY_MARK,
-                },
-                Expr::Counter,
-                Expr::MarkSetCtMark,
-            ],
-        );
-        mangle.insert(
-            INBOUND,
-            0,
-            with(vec![tcp(), mark(eq, INBOUND_TPROXY_MARK)], ret()),
-        );
-        for (_, passthrough, _) in &fams {
-            mangle.insert(
-                INBOUND,
-                1,
-                with(
-                    vec![
-                        iface(IfField::Iifname, eq, "lo"),
-                        tcp(),
-                        addr(AddrField::Saddr, eq, *passthrough),
-                    ],
-                    ret(),
-                ),
+}
+
+/// TPROXY mode's marks: the inbound mark kept on the connection, and the proxy's loopback calls.
+fn tproxy_tail(t: &mut Tables, cfg: &SidecarConfig, fams: &[(IpNet, IpNet, bool)]) {
+    let Tables { mangle, .. } = t;
+    let (eq, ne) = (CmpOp::Eq, CmpOp::Ne);
+    mangle.add(
+        PREROUTING,
+        vec![
+            tcp(),
+            mark(eq, INBOUND_TPROXY_MARK),
+            Expr::Counter,
+            Expr::CtMarkSetMark,
+        ],
+    );
+    mangle.add(
+        OUTPUT,
+        with(vec![lo_out(), tcp(), mark(eq, INBOUND_TPROXY_MARK)], ret()),
+    );
+    for (gid, id) in [(false, cfg.proxy_uid), (true, cfg.proxy_gid)] {
+        for (lo, _, _) in fams {
+            mangle.add(
+                OUTPUT,
+                vec![
+                    lo_out(),
+                    tcp(),
+                    addr(AddrField::Daddr, ne, *lo),
+                    owner(gid, eq, id),
+                    Expr::Counter,
+                    Expr::MarkSet(OUTBOUND_MARK),
+                ],
             );
         }
+    }
+    mangle.add(
+        OUTPUT,
+        vec![
+            tcp(),
+            Expr::CtMark {
+                mask: u32::MAX,
+                op: eq,
+                value: INBOUND_TPROXY_MARK,
+            },
+            Expr::Counter,
+            Expr::MarkSetCtMark,
+        ],
+    );
+    mangle.insert(
+        INBOUND,
+        0,
+        with(vec![tcp(), mark(eq, INBOUND_TPROXY_MARK)], ret()),
+    );
+    for (_, passthrough, _) in fams {
         mangle.insert(
             INBOUND,
-            2,
+            1,
             with(
                 vec![
                     iface(IfField::Iifname, eq, "lo"),
                     tcp(),
-                    mark(ne, OUTBOUND_MARK),
+                    addr(AddrField::Saddr, eq, *passthrough),
                 ],
                 ret(),
             ),
         );
     }
-
-    let tables = [
-        nat.finish((ChainType::Nat, -100), (ChainType::Nat, -100)),
-        mangle.finish((ChainType::Filter, -150), (ChainType::Route, -150)),
-        raw.finish((ChainType::Filter, -300), (ChainType::Filter, -300)),
-    ];
-    Ruleset {
-        tables: tables.into_iter().flatten().collect(),
-    }
+    mangle.insert(
+        INBOUND,
+        2,
+        with(
+            vec![
+                iface(IfField::Iifname, eq, "lo"),
+                tcp(),
+                mark(ne, OUTBOUND_MARK),
+            ],
+            ret(),
+        ),
+    );
 }

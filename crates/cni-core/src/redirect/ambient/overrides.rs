@@ -1,7 +1,8 @@
 //! Per-pod overrides of the in-pod rule set, read from pod annotations and combined with the
 //! node-wide settings into the [`InpodConfig`] a backend renders.
 
-use super::{InpodConfig, InterfaceName, InvalidInterfaceName};
+use super::InpodConfig;
+use crate::redirect::{InterfaceName, InvalidInterfaceName, parse_go_bool};
 
 /// `true` → only outbound traffic is captured ("ingress mode").
 pub const BYPASS_INBOUND_CAPTURE: &str = "ambient.istio.io/bypass-inbound-capture";
@@ -38,14 +39,14 @@ pub fn inpod_config<'a>(
     let mut ignored = Vec::new();
     for (key, value) in annotations {
         match key {
-            BYPASS_INBOUND_CAPTURE => match parse_bool(value) {
+            BYPASS_INBOUND_CAPTURE => match parse_go_bool(value) {
                 Some(v) => cfg.ingress_mode = v,
                 None => ignored.push(Ignored {
                     annotation: BYPASS_INBOUND_CAPTURE,
                     value: value.to_string(),
                 }),
             },
-            DNS_CAPTURE => match parse_bool(value) {
+            DNS_CAPTURE => match parse_go_bool(value) {
                 Some(v) => cfg.redirect_dns = v,
                 None => ignored.push(Ignored {
                     annotation: DNS_CAPTURE,
@@ -74,34 +75,12 @@ pub fn interface_list(value: &str) -> Result<Vec<InterfaceName>, OverrideError> 
         .collect()
 }
 
-/// Go's `strconv.ParseBool`: the exact spellings Istio accepts, nothing more.
-pub fn parse_bool(s: &str) -> Option<bool> {
-    match s {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn cfg(pairs: &[(&'static str, &'static str)], global: &InpodConfig) -> InpodConfig {
         inpod_config(global, pairs.iter().copied()).unwrap().0
-    }
-
-    #[test]
-    fn go_parse_bool_spellings() {
-        for t in ["1", "t", "T", "TRUE", "true", "True"] {
-            assert_eq!(parse_bool(t), Some(true), "{t}");
-        }
-        for f in ["0", "f", "F", "FALSE", "false", "False"] {
-            assert_eq!(parse_bool(f), Some(false), "{f}");
-        }
-        for bad in ["", "yes", "tRUE", " true", "on", "2"] {
-            assert_eq!(parse_bool(bad), None, "{bad:?}");
-        }
     }
 
     #[test]
