@@ -451,6 +451,9 @@ async fn start_ambient(
         })
     })
     .await??;
+    if let Err(e) = dataplane.record_iptables_variant(run_dir) {
+        tracing::warn!(error = %e, "cannot record the iptables variant for Istio's agent");
+    }
     let dataplane = Arc::new(dataplane);
     for attempt in 1..=HOST_SETUP_ATTEMPTS {
         let dp = dataplane.clone();

@@ -193,3 +193,50 @@ fn a_backend_switch_keeps_a_running_pod_redirected_throughout() {
         "{escaped} of {probes} connections escaped redirection during the switches"
     );
 }
+
+/// Istio from 1.31.1 reuses the iptables variant named in `<run dir>/detected-iptables-backend-v4`
+/// and `-v6` (istio/istio#61024): our iptables backend keeps them naming its own variant, over a
+/// stale one an Istio agent left, so Istio's agent on a rollback drives the variant the pods'
+/// rules are in; the nftables backend leaves them as they are.
+#[test]
+fn the_iptables_backend_names_its_variant_where_istio_reads_it() {
+    dataplane::require_root!();
+    let host = TestNetns::new("sw-rec");
+    let proc_dir = fake_proc();
+    let read = |dir: &std::path::Path, family: &str| {
+        std::fs::read_to_string(dir.join(format!("detected-iptables-backend-{family}"))).ok()
+    };
+    for (name, want) in [
+        ("iptables-nft", "nft"),
+        ("iptables-legacy", "legacy"),
+        ("nftables", "stale"),
+    ] {
+        let run_dir = tempfile::tempdir().unwrap();
+        for family in ["v4", "v6"] {
+            let file = run_dir
+                .path()
+                .join(format!("detected-iptables-backend-{family}"));
+            std::fs::write(file, "stale").unwrap();
+        }
+        dataplane(name, &host, proc_dir.path())
+            .record_iptables_variant(run_dir.path())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        for family in ["v4", "v6"] {
+            // Istio compares the file's trimmed content with "legacy" and "nft".
+            assert_eq!(
+                read(run_dir.path(), family).as_deref().map(str::trim),
+                Some(want),
+                "{name}, {family}"
+            );
+        }
+    }
+    // A run dir that cannot be written is an error naming the file.
+    let err = dataplane("iptables-nft", &host, proc_dir.path())
+        .record_iptables_variant(std::path::Path::new("/nonexistent/run"))
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("/nonexistent/run/detected-iptables-backend-v4"),
+        "{err}"
+    );
+}

@@ -116,6 +116,27 @@ impl NodeDataplane {
         self
     }
 
+    /// Istio from 1.31.1 (istio/istio#61024, #61759 on release-1.31) keeps the iptables variant
+    /// its agent detected in `<run_dir>/detected-iptables-backend-v4` and `-v6` (`legacy` or
+    /// `nft`) and at its next start drives that variant without detecting again. On a rollback to
+    /// Istio's agent the files must name the variant the pods' rules are in: a stale one (an
+    /// Istio agent's, from before ours ran) would have Istio's agent miss our rules in every pod
+    /// and write its own beside them in the other variant. Written at every start with the
+    /// iptables backend; the nftables backend leaves them alone (Istio reads them only for
+    /// iptables, and a rollback from nftables goes through our iptables backend first).
+    pub fn record_iptables_variant(&self, run_dir: &Path) -> std::io::Result<()> {
+        let Backend::Iptables { backend, .. } = &self.backend else {
+            return Ok(());
+        };
+        let variant = backend.binaries().variant.to_string();
+        for family in ["v4", "v6"] {
+            let path = run_dir.join(format!("detected-iptables-backend-{family}"));
+            std::fs::write(&path, &variant)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        }
+        Ok(())
+    }
+
     fn rules(&self) -> &dyn InpodRules {
         match &self.backend {
             Backend::Iptables { backend, .. } => backend,
