@@ -18,7 +18,7 @@ use crate::ambient::cluster::{Annotator, Cluster, spawn_watches};
 use crate::ambient::cni_server::CniServer;
 use crate::ambient::config::AmbientConfig;
 use crate::ambient::explain::Explainer;
-use crate::ambient::mesh::Mesh;
+use crate::ambient::mesh::{Mesh, NodeContext, Seams};
 use crate::ambient::node::{NodeDataplane, seams};
 use crate::ambient::reconciler::{Policy, Reconciler};
 use crate::handover::{AgentLock, SocketFile, Taken, Waiting};
@@ -487,23 +487,23 @@ async fn start_ambient(
 
     let annotator = Annotator::new(setup.client.clone());
     let (rules, probes) = seams(dataplane.clone());
-    let mesh = Arc::new(Mesh {
-        cache,
-        zds: zds.clone(),
-        rules,
-        probes,
-        annotator: annotator.clone(),
-        global: cfg.inpod.clone(),
-        proc_dir: cfg.proc_dir.clone(),
-        host_prefix: cfg.host_prefix.clone(),
-        host_netns: host_id,
-        hints: crate::ambient::hints::NetnsHints::new(run_dir),
-        metrics: metrics.clone(),
-        locks: Default::default(),
-        probe_ips: Default::default(),
-        finished: Default::default(),
-        last_errors: Default::default(),
-    });
+    let mesh = Arc::new(Mesh::new(
+        Seams {
+            rules,
+            probes,
+            annotations: Arc::new(annotator.clone()),
+            ztunnel: Arc::new(zds.clone()),
+        },
+        NodeContext {
+            cache,
+            hints: crate::ambient::hints::NetnsHints::new(run_dir),
+            global: cfg.inpod.clone(),
+            proc_dir: cfg.proc_dir.clone(),
+            host_prefix: cfg.host_prefix.clone(),
+            host_netns: host_id,
+        },
+        metrics.clone(),
+    ));
     let policy = Arc::new(Policy {
         selectors: cfg.selectors.clone(),
         exclude_namespaces: cfg.exclude_namespaces.clone(),

@@ -180,12 +180,11 @@ impl Netns {
         D: FnOnce(Result<T, NetnsError>) + Send + 'static,
     {
         workers::submit(Box::new(move || {
-            let entered = setns(self.fd.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
-                NetnsError::Enter {
+            let entered =
+                workers::enter(self.fd.as_fd(), self.id).map_err(|source| NetnsError::Enter {
                     id: self.id,
                     source,
-                }
-            });
+                });
             done(entered.map(|()| {
                 ENTERED.set(Some(self.id));
                 f(&self)
@@ -365,7 +364,14 @@ mod workers {
 
     use nix::sched::{CloneFlags, setns};
 
-    use super::ENTERED;
+    use super::{ENTERED, NetnsId};
+
+    thread_local! {
+        /// The namespace this worker is in, where known. A job for that namespace needs no
+        /// `setns`, which asks for CAP_SYS_ADMIN even when it changes nothing: the agent's
+        /// pipelines then run unprivileged in tests whose pods live in the test's own namespace.
+        static IN: std::cell::Cell<Option<NetnsId>> = const { std::cell::Cell::new(None) };
+    }
 
     pub type Job = Box<dyn FnOnce() + Send>;
 
@@ -373,7 +379,7 @@ mod workers {
 
     struct Pool {
         /// The process's own namespace (its main thread's), where workers wait.
-        home: Option<OwnedFd>,
+        home: Option<(OwnedFd, NetnsId)>,
         state: Mutex<State>,
         wake: Condvar,
     }
@@ -387,12 +393,31 @@ mod workers {
     fn pool() -> &'static Pool {
         static POOL: OnceLock<Pool> = OnceLock::new();
         POOL.get_or_init(|| Pool {
-            home: std::fs::File::open("/proc/self/ns/net")
-                .ok()
-                .map(Into::into),
+            home: opened_ns("/proc/self/ns/net"),
             state: Mutex::default(),
             wake: Condvar::new(),
         })
+    }
+
+    fn opened_ns(path: &str) -> Option<(OwnedFd, NetnsId)> {
+        use std::os::unix::fs::MetadataExt;
+        let file = std::fs::File::open(path).ok()?;
+        let meta = file.metadata().ok()?;
+        let id = NetnsId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        };
+        Some((file.into(), id))
+    }
+
+    /// Moves the calling worker into the namespace `fd` (`id`), unless it is there already.
+    pub fn enter(fd: std::os::fd::BorrowedFd<'_>, id: NetnsId) -> nix::Result<()> {
+        if IN.get() == Some(id) {
+            return Ok(());
+        }
+        setns(fd, CloneFlags::CLONE_NEWNET)?;
+        IN.set(Some(id));
+        Ok(())
     }
 
     pub fn submit(job: Job) -> std::io::Result<()> {
@@ -416,6 +441,8 @@ mod workers {
     }
 
     fn work(pool: &'static Pool) {
+        // Spawned in the namespace of the thread that submitted the first job.
+        IN.set(opened_ns("/proc/thread-self/ns/net").map(|(_, id)| id));
         let mut state = pool.state.lock().unwrap();
         loop {
             if let Some(job) = state.queue.pop_front() {
@@ -425,10 +452,7 @@ mod workers {
                     hook();
                 }
                 ENTERED.set(None);
-                let home = pool
-                    .home
-                    .as_ref()
-                    .map(|fd| setns(fd.as_fd(), CloneFlags::CLONE_NEWNET));
+                let home = pool.home.as_ref().map(|(fd, id)| enter(fd.as_fd(), *id));
                 if !matches!(home, Some(Ok(()))) {
                     // Still inside the last job's namespace: this thread must not wait anywhere.
                     return;
