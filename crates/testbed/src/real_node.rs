@@ -198,6 +198,12 @@ impl RealNode {
         Self::up_cluster(n, &[]).await
     }
 
+    /// [`RealNode::up_nodes`] with extra environment for `scripts/real-node up`, e.g. the
+    /// cluster's primary CNI (`REAL_NODE_PRIMARY`).
+    pub async fn up_nodes_with(n: usize, env: &[(&str, &str)]) -> Self {
+        Self::up_cluster(n, env).await
+    }
+
     async fn up_cluster(nodes: usize, env: &[(&str, &str)]) -> Self {
         assert!(nodes >= 1, "a cluster has a node at least");
         let dir = tempfile::Builder::new()

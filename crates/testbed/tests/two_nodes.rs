@@ -8,7 +8,10 @@
 //! - a half-migrated cluster (docs/migrate-from-istio.md): Istio's chart with
 //!   `updateStrategy: OnDelete`, `helm upgrade` of the same release to ours, and only node 2's
 //!   agent pod replaced, so Istio's own agent serves node 1 and ours node 2; the same traffic,
-//!   both ways.
+//!   both ways;
+//! - flannel in VXLAN mode as the primary CNI (`REAL_NODE_PRIMARY=flannel`, k3s's default): the
+//!   same traffic through VXLAN, a sidecar pod, flannel rewriting its conflist while ambient pods
+//!   start, and uninstall leaving flannel's conflist as it was (issue #41).
 //!
 //! Needs root, the node binaries (`tools/k8s-node/build.sh`) and the images (`scripts/node-images`,
 //! or `REAL_NODE_IMAGES`), Istio's among them.
@@ -23,8 +26,8 @@ use testbed::migrate::{
     peer_accepted, replace_agent_pod, wait_peer_has,
 };
 use testbed::real_node::{
-    Node, REDIRECTION, RealNode, annotation, busybox_pod, create, get, on_node, wait_redirection,
-    wait_running, witness, witness_pod,
+    Node, REDIRECTION, RealNode, annotation, busybox_pod, create, get, on_node, sidecar_pod,
+    wait_redirection, wait_running, witness, witness_pod,
 };
 
 /// One cluster at a time: two nodes each are heavy enough on a small machine.
@@ -272,4 +275,156 @@ async fn istios_agent_on_one_node_and_ours_on_the_other_carry_ambient_traffic_bo
         !istio_log.to_lowercase().contains("forbidden"),
         "Istio's agent was refused something under our RBAC:\n{istio_log}"
     );
+}
+
+/// flannel's conflist as kube-flannel's install-cni (and `scripts/real-node`) writes it.
+const FLANNEL_CONFLIST: &str = "/etc/cni/net.d/10-flannel.conflist";
+
+/// Packets node `node` sent through its VXLAN device `flannel.1` (its /proc/net/dev line: eight
+/// receive counters, then transmitted bytes and packets).
+fn vxlan_tx_packets(node: Node<'_>) -> u64 {
+    let dev = node.read("/proc/net/dev").expect("/proc/net/dev");
+    let line = dev
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("flannel.1:"))
+        .unwrap_or_else(|| panic!("{}: no flannel.1 in\n{dev}", node.name()));
+    line.split_whitespace().nth(9).unwrap().parse().unwrap()
+}
+
+/// Ambient pods `flap-0..3` created on node 2 while flannel restarts there, which writes its
+/// conflist again without our entry (as kube-flannel's install-cni does at each flannel pod
+/// start): every pod runs redirected from its first connection (the chain held, or the ADD failed
+/// closed and was retried), and the installer puts our entry back as it was.
+async fn flannel_rewrites_while_pods_start(c: &RealNode, ns: &str, chained: &str) {
+    let node2 = c.node(2);
+    let names: Vec<String> = (0..4).map(|i| format!("flap-{i}")).collect();
+    let create_all = async {
+        for name in &names {
+            create(
+                c,
+                ns,
+                on_node(witness_pod(name, "sleep 3600"), &node2.name()),
+            )
+            .await;
+        }
+    };
+    let reinstalls = || {
+        let log = c.kubectl(&["-n", "istio-system", "logs", &agent_pod(node2), "--tail=-1"]);
+        log.matches("writing CNI config:").count()
+    };
+    let before = reinstalls();
+    tokio::join!(create_all, node2.restart("flannel"));
+    for name in &names {
+        wait_running(c, ns, name).await;
+        wait_redirection(c, ns, name, Some("enabled")).await;
+        assert_eq!(
+            witness(c, ns, name),
+            "REDIRECTED",
+            "{name} started while flannel rewrote its conflist"
+        );
+    }
+    c.eventually(
+        "our entry back in flannel's conflist on node 2, as it was",
+        Duration::from_secs(30),
+        || async { (node2.read(FLANNEL_CONFLIST).as_deref() == Some(chained)).then_some(()) },
+    )
+    .await;
+    assert!(
+        reinstalls() > before,
+        "node 2's agent never wrote its entry again after flannel's rewrite (no `writing CNI config:` line after the restart)"
+    );
+}
+
+/// flannel in VXLAN mode, k3s's default primary (`REAL_NODE_PRIMARY=flannel`: flanneld on each
+/// node, the kube subnet manager, the `flannel` CNI plugin), with our chart on both nodes
+/// (issue #41):
+///
+/// - our entry chained into flannel's own conflist on each node;
+/// - ambient traffic between the nodes' pods, both ways, by pod IP and ClusterIP
+///   ([`cross_node_traffic`]), carried by VXLAN: each node's route to the other's pods is
+///   `flannel.1`, whose transmit counter grew on both;
+/// - a sidecar pod on node 2 redirected by the plugin's rules;
+/// - flannel restarted on node 2, rewriting its conflist, while ambient pods start there: none
+///   runs unredirected, and our entry comes back;
+/// - helm uninstall: flannel's conflist on each node byte for byte as flannel wrote it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flannel_vxlan_primary_carries_ambient_traffic_between_nodes_and_keeps_our_entry() {
+    dataplane::require_root!();
+    let _one = ONE_CLUSTER.lock().await;
+    let c = RealNode::up_nodes_with(2, &[("REAL_NODE_PRIMARY", "flannel")]).await;
+    let flannel: Vec<String> = c
+        .nodes()
+        .into_iter()
+        .map(|n| {
+            n.read(FLANNEL_CONFLIST)
+                .unwrap_or_else(|| panic!("{}: no {FLANNEL_CONFLIST}", n.name()))
+        })
+        .collect();
+    for (n, other) in [(c.node(1), c.node(2)), (c.node(2), c.node(1))] {
+        let pod_ip = other.pod_cidr().replace(".0/24", ".9");
+        let route = n.exec(&["ip", "route", "get", &pod_ip]);
+        assert!(
+            route.contains("dev flannel.1"),
+            "{}: {} pods not through VXLAN: {route}",
+            n.name(),
+            other.name()
+        );
+    }
+
+    c.install_chart(&[]).await;
+    let mut chained = Vec::new();
+    for n in c.nodes() {
+        let conflist = n.read(FLANNEL_CONFLIST).unwrap();
+        let types: Vec<String> =
+            serde_json::from_str::<serde_json::Value>(&conflist).unwrap()["plugins"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["type"].as_str().unwrap().to_string())
+                .collect();
+        assert_eq!(types, ["flannel", "portmap", "istio-cni"], "{}", n.name());
+        chained.push(conflist);
+    }
+
+    let tx_before: Vec<u64> = c.nodes().into_iter().map(vxlan_tx_packets).collect();
+    cross_node_traffic(&c, "mesh").await;
+    for (n, before) in c.nodes().into_iter().zip(tx_before) {
+        let after = vxlan_tx_packets(n);
+        assert!(
+            after > before,
+            "{}: flannel.1 sent {before} packets before the traffic, {after} after",
+            n.name()
+        );
+    }
+
+    c.namespace("plain", false).await;
+    let node2 = c.node(2);
+    let gateway2 = node2.pod_cidr().replace(".0/24", ".1");
+    create(
+        &c,
+        "plain",
+        on_node(sidecar_pod("sidecar", &gateway2), &node2.name()),
+    )
+    .await;
+    wait_running(&c, "plain", "sidecar").await;
+    assert_eq!(
+        witness(&c, "plain", "sidecar"),
+        "REDIRECTED",
+        "the plugin's sidecar rules on flannel's node 2"
+    );
+
+    flannel_rewrites_while_pods_start(&c, "mesh", &chained[1]).await;
+
+    c.kubectl(&["-n", "istio-system", "delete", "ds", "ztunnel"]);
+    c.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
+    for (n, flannel) in c.nodes().into_iter().zip(&flannel) {
+        c.eventually(
+            &format!("{}: flannel's conflist as flannel wrote it", n.name()),
+            Duration::from_secs(60),
+            || async {
+                (n.read(FLANNEL_CONFLIST).as_deref() == Some(flannel.as_str())).then_some(())
+            },
+        )
+        .await;
+    }
 }
