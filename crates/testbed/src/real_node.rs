@@ -36,7 +36,8 @@ pub const NODE_NAME: &str = "real-node";
 /// The label every kubelet sets on its Node to the node's name (what a `nodeSelector` pins).
 pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 
-/// The node's primary CNI config, where the installer chains our plugin.
+/// The node's primary CNI config, where the installer chains our plugin: the default bridge
+/// primary's ([`RealNode::conflist`] for the node's own, whatever `REAL_NODE_PRIMARY` chose).
 pub const CONFLIST: &str = "/etc/cni/net.d/10-bridge.conflist";
 /// The peer's view as JSON, on the node (`deploy/node/ztunnel-peer.yaml`).
 pub const PEER_STATUS: &str = "/run/ztunnel-peer/status.json";
@@ -334,6 +335,17 @@ impl RealNode {
     /// `path` inside node 1's mount namespace, as a path on the machine ([`Node::node_path`]).
     pub fn node_path(&self, path: &str) -> PathBuf {
         self.node(1).node_path(path)
+    }
+
+    /// The primary CNI's conflist on the node (`REAL_NODE_CONFLIST` of `scripts/real-node env`):
+    /// [`CONFLIST`] for the default bridge, another file for another primary
+    /// (`REAL_NODE_PRIMARY`, a cell of `scripts/matrix`).
+    pub fn conflist(&self) -> String {
+        let env = self.script(&["env"]);
+        env.lines()
+            .find_map(|l| l.strip_prefix("REAL_NODE_CONFLIST="))
+            .unwrap_or_else(|| panic!("scripts/real-node env names no REAL_NODE_CONFLIST:\n{env}"))
+            .to_string()
     }
 
     /// Processes of node 1's pods ([`Node::pod_processes`]).

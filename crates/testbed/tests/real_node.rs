@@ -17,10 +17,11 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
+use testbed::churn::conflist::Rewriter;
 use testbed::real_node::{
-    CHART, CONFLIST, GATEWAY, NODE_NAME, REDIRECTION, RealNode, VALUES, ZTUNNEL, annotation,
-    busybox_pod, create, get, label_namespace, processes_under, running, sidecar_pod,
-    wait_redirection, wait_running, witness, witness_pod as pod,
+    CHART, GATEWAY, NODE_NAME, REDIRECTION, RealNode, VALUES, ZTUNNEL, annotation, busybox_pod,
+    create, get, label_namespace, processes_under, running, sidecar_pod, wait_redirection,
+    wait_running, witness, witness_pod as pod,
 };
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
@@ -90,10 +91,12 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     dataplane::require_root!();
     let _one = ONE_NODE.lock().await;
     let node = RealNode::up().await;
-    let before = node.read(CONFLIST).expect("the node's bridge conflist");
+    // The primary's own file: bridge's by default, another under scripts/matrix's knobs.
+    let conflist = node.conflist();
+    let before = node.read(&conflist).expect("the node's primary conflist");
     let netns_before = netns_count(&node);
     node.install_chart(&[]).await;
-    let chained = node.read(CONFLIST).unwrap();
+    let chained = node.read(&conflist).unwrap();
     assert!(chained.contains("\"type\": \"istio-cni\""), "{chained}");
 
     namespace(&node, "mesh", true).await;
@@ -200,13 +203,18 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     wait_redirection(&node, "mesh", "client", Some("enabled")).await;
     wait_peer_has(&node, &client, true).await;
 
+    let rewritten = primary_rewrites_while_pods_start(&node, &conflist, &before, &chained).await;
+
     // Pod delete: kubelet's DEL through the chain; the peer is told, the netns goes.
     for (ns, name) in [
         ("mesh", "server"),
         ("mesh", "client"),
         ("plain", "plain"),
         ("plain", "sidecar"),
-    ] {
+    ]
+    .into_iter()
+    .chain(rewritten.iter().map(|n| ("mesh", n.as_str())))
+    {
         delete(&node, ns, name).await;
     }
     wait_peer_has(&node, &server, false).await;
@@ -222,7 +230,7 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     node.kubectl(&["-n", "istio-system", "delete", "ds", "ztunnel"]);
     node.helm(&["uninstall", "istio-cni", "-n", "istio-system", "--wait"]);
     node.eventually("conflist restored", Duration::from_secs(60), || async {
-        (node.read(CONFLIST).as_deref() == Some(before.as_str())).then_some(())
+        (node.read(&conflist).as_deref() == Some(before.as_str())).then_some(())
     })
     .await;
     assert!(node.read("/opt/cni/bin/istio-cni").is_none());
@@ -231,6 +239,61 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     create(&node, "after", pod("late", "sleep 3600")).await;
     wait_running(&node, "after", "late").await;
     assert_eq!(witness(&node, "after", "late"), "DIRECT");
+}
+
+/// The primary rewrites its conflist without our entry (as kindnet or flannel does when its own
+/// pod restarts) once a second while ambient pods `rewrite-0..3` start: the installer chains it
+/// again, byte for byte as before, and every pod ends up Running, redirected and known to the
+/// peer. A pod whose sandbox read a version without our entry starts unredirected until the
+/// agent's pod watch enrolls it (Istio's gap too): allowed only for pods created while the writer
+/// ran, and counted on the `rewrite:` line. A pod created after it must start redirected.
+/// Returns the pods' names.
+async fn primary_rewrites_while_pods_start(
+    node: &RealNode,
+    conflist: &str,
+    primary: &str,
+    chained: &str,
+) -> Vec<String> {
+    let writer = Rewriter::start(
+        node.node_path(conflist),
+        primary.as_bytes().to_vec(),
+        Duration::from_secs(1),
+    );
+    let mut names: Vec<String> = (0..3).map(|i| format!("rewrite-{i}")).collect();
+    for name in &names {
+        create(node, "mesh", pod(name, "sleep 3600")).await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    let writes = writer.stop();
+    assert!(writes >= 2, "the primary's writer wrote {writes} versions");
+    node.eventually(
+        "the installer chained the primary's last version again",
+        Duration::from_secs(60),
+        || async { (node.read(conflist).as_deref() == Some(chained)).then_some(()) },
+    )
+    .await;
+    // containerd reloads the file on inotify: a pod created from now on reads our entry.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    create(node, "mesh", pod("rewrite-after", "sleep 3600")).await;
+    names.push("rewrite-after".into());
+    let mut direct = Vec::new();
+    for name in &names {
+        let p = wait_running(node, "mesh", name).await;
+        wait_redirection(node, "mesh", name, Some("enabled")).await;
+        wait_peer_has(node, p.metadata.uid.as_deref().unwrap(), true).await;
+        if witness(node, "mesh", name) == "DIRECT" {
+            direct.push(name.clone());
+        }
+    }
+    assert!(
+        !direct.contains(&"rewrite-after".to_string()),
+        "a pod created after the installer chained the file again started unredirected"
+    );
+    eprintln!(
+        "rewrite: the primary rewrote {conflist} {writes} times while 3 ambient pods started; \
+         chained again; started before enrolment: {direct:?}"
+    );
+    names
 }
 
 /// Creates ambient pods `<prefix>-0..n` one after another while `during` runs, then checks that
