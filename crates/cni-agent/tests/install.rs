@@ -729,13 +729,11 @@ impl Agent {
         )
         .unwrap();
         let status = child.wait().unwrap();
+        // Empty when the test sent stderr to a file of its own.
         let mut stderr = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut stderr)
-            .unwrap();
+        if let Some(mut e) = child.stderr.take() {
+            e.read_to_string(&mut stderr).unwrap();
+        }
         (status, stderr)
     }
 }
@@ -831,6 +829,49 @@ fn run_loop_repairs_follows_and_cleans_up() {
     assert_eq!(node.read("05-garbage.conflist"), garbage);
     assert!(!node.bin.join("istio-cni").exists());
     assert!(!node.run.join("istio-cni-kubeconfig").exists());
+}
+
+/// A primary the installer does not recognise (JSON, but `plugins` is no list) is named at start
+/// with the file it read, never chained into, and nothing half-written appears beside it; the
+/// installer keeps waiting, and chains the first valid primary that shows up.
+#[test]
+fn run_loop_names_an_unrecognised_primary_and_never_chains_into_it() {
+    let node = Node::new();
+    let vendor = r#"{"cniVersion": "1.0.0", "name": "vendor", "plugins": {"type": "vendor"}}"#;
+    node.put("10-vendor.conflist", vendor);
+    let log_path = node.conf.parent().unwrap().join("agent.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut agent = Agent(Some(node.command(&[], &[]).stderr(log).spawn().unwrap()));
+    let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let limit = Duration::from_secs(10);
+
+    wait_until("the installer waiting for a primary", limit, || {
+        read_log().contains("waiting for the primary CNI config")
+    });
+    let named = format!(
+        "skipping invalid CNI config {}",
+        node.conf.join("10-vendor.conflist").display()
+    );
+    assert!(read_log().contains(&named), "{}", read_log());
+    assert_eq!(node.conf_files(), ["10-vendor.conflist"]);
+    assert_eq!(node.read("10-vendor.conflist"), vendor);
+
+    // A valid primary after it in priority: chained, the unrecognised one still as it was.
+    let calico = fixture("pre/calico.conflist");
+    node.put_atomic("20-calico.conflist", &calico);
+    wait_until("chained into the valid primary", limit, || {
+        has_entry(&node.read("20-calico.conflist"))
+    });
+    assert_eq!(node.read("10-vendor.conflist"), vendor);
+    assert_eq!(
+        node.conf_files(),
+        ["10-vendor.conflist", "20-calico.conflist"]
+    );
+
+    let (status, _) = agent.terminate();
+    assert!(status.success(), "{status}\n{}", read_log());
+    assert_eq!(node.read("20-calico.conflist"), calico);
+    assert_eq!(node.read("10-vendor.conflist"), vendor);
 }
 
 #[test]
