@@ -408,6 +408,7 @@ async fn start_ambient(
     spawn_watches(
         setup.client.clone(),
         &cfg.node_name,
+        cfg.selectors.namespace_keys(),
         cluster.clone(),
         tx.clone(),
         readiness.condition(WATCHES),

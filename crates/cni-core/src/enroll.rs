@@ -115,6 +115,17 @@ impl Requirement {
             Requirement::DoesNotExist(k) => !labels.contains_key(k),
         }
     }
+
+    /// The one label a requirement reads.
+    fn key(&self) -> &str {
+        match self {
+            Requirement::Equals(k, _)
+            | Requirement::In(k, _)
+            | Requirement::NotIn(k, _)
+            | Requirement::Exists(k)
+            | Requirement::DoesNotExist(k) => k,
+        }
+    }
 }
 
 /// A compiled `LabelSelector`: all requirements must hold; none at all matches everything.
@@ -241,6 +252,29 @@ impl CompiledSelectors {
             .iter()
             .any(|(_, n)| !n.is_everything() && n.matches(namespace_labels))
     }
+
+    /// The namespace labels [`Self::matches`] and [`Self::matches_namespace`] read: a namespace
+    /// kept with only these is judged as with all of its labels.
+    pub fn namespace_keys(&self) -> LabelKeys {
+        LabelKeys(
+            self.pairs
+                .iter()
+                .flat_map(|(_, n)| n.requirements.iter().map(|r| r.key().to_owned()))
+                .collect(),
+        )
+    }
+}
+
+/// The label keys something reads, to keep an object's labels to those.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LabelKeys(BTreeSet<String>);
+
+impl LabelKeys {
+    /// `labels` without the entries whose key is not one of these (moved, not copied).
+    pub fn retain(&self, mut labels: Labels) -> Labels {
+        labels.retain(|k, _| self.0.contains(k));
+        labels
+    }
 }
 
 #[cfg(test)]
@@ -339,6 +373,61 @@ mod tests {
         // Only match-all namespace selectors: no namespace is "selected".
         let only_pods = CompiledSelectors::compile(&default_selectors()[..1]).unwrap();
         assert!(!only_pods.matches_namespace(&labels(AMBIENT)));
+    }
+
+    #[test]
+    fn namespace_keys_are_the_labels_namespace_selectors_read() {
+        let sel = CompiledSelectors::compile(&default_selectors()).unwrap();
+        let keys = sel.namespace_keys();
+        let all = labels(&[
+            (DATAPLANE_MODE_LABEL, "ambient"),
+            ("kubernetes.io/metadata.name", "web"),
+            ("team", "a"),
+        ]);
+        assert_eq!(keys.retain(all.clone()), labels(AMBIENT));
+        assert_eq!(keys.retain(labels(&[("team", "a")])), Labels::new());
+        // Every kind of requirement names its key; pod selectors' keys are not namespace keys.
+        let custom = CompiledSelectors::compile(&[EnablementSelector {
+            pod_selector: LabelSelector {
+                match_labels: labels(&[("app", "web")]),
+                ..Default::default()
+            },
+            namespace_selector: LabelSelector {
+                match_labels: labels(&[("team", "a")]),
+                match_expressions: ["In", "NotIn", "Exists", "DoesNotExist"]
+                    .iter()
+                    .map(|op| LabelSelectorRequirement {
+                        key: format!("k-{op}"),
+                        operator: (*op).into(),
+                        values: if op.ends_with("In") {
+                            vec!["v".into()]
+                        } else {
+                            vec![]
+                        },
+                    })
+                    .collect(),
+            },
+        }])
+        .unwrap();
+        let with_all = labels(&[
+            ("team", "a"),
+            ("app", "web"),
+            ("k-In", "v"),
+            ("k-NotIn", "x"),
+            ("k-Exists", ""),
+            ("k-DoesNotExist", ""),
+            ("other", "o"),
+        ]);
+        let kept = custom.namespace_keys().retain(with_all.clone());
+        assert_eq!(
+            kept.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["k-DoesNotExist", "k-Exists", "k-In", "k-NotIn", "team"]
+        );
+        let pod = PodView {
+            labels: labels(&[("app", "web")]),
+            ..Default::default()
+        };
+        assert_eq!(custom.matches(&pod, &kept), custom.matches(&pod, &with_all));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! kube-rs watchers, plus the one write the agent makes (the redirection annotation on
 //! `pods/status`). Watch errors are retried with backoff by the watcher and logged, never dropped.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, LockResult, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -16,7 +16,7 @@ use kube::runtime::watcher::{self, Event as WatchEvent, watcher};
 use tokio::sync::futures::Notified;
 use tokio::sync::{Notify, mpsc};
 
-use cni_core::enroll::{Labels, PodView, SIDECAR_STATUS_ANNOTATION};
+use cni_core::enroll::{LabelKeys, Labels, PodView, SIDECAR_STATUS_ANNOTATION};
 use cni_core::reconcile::{PodFacts, REDIRECTION_ANNOTATION, Redirection};
 
 use super::watched::WirePod;
@@ -36,6 +36,10 @@ pub fn pod_key(pod: &CachedPod) -> PodKey {
 #[derive(Default)]
 pub struct ClusterCache {
     pub pods: HashMap<PodKey, Arc<CachedPod>>,
+    /// Each namespace with only the labels the enablement selectors read
+    /// ([`CompiledSelectors::namespace_keys`](cni_core::enroll::CompiledSelectors::namespace_keys)):
+    /// every namespace of the cluster is kept for the agent's life, and the rest of its labels
+    /// (at least `kubernetes.io/metadata.name`, on every one) were most of what each cost.
     pub namespaces: HashMap<String, Labels>,
 }
 
@@ -207,10 +211,12 @@ pub fn facts(pod: &CachedPod) -> PodFacts {
 }
 
 /// Starts the pod (node-scoped) and namespace watches. Events go to `tx` in the order seen;
-/// `synced` turns true once both initial lists are in the cache.
+/// `synced` turns true once both initial lists are in the cache. Namespaces are kept and sent
+/// with only their labels among `namespace_keys`.
 pub fn spawn_watches(
     client: kube::Client,
     node: &str,
+    namespace_keys: LabelKeys,
     cache: SharedCache,
     tx: mpsc::UnboundedSender<ClusterEvent>,
     synced: ReadyFlag,
@@ -274,11 +280,17 @@ pub fn spawn_watches(
             .default_backoff()
             .boxed();
         let mut signal = Some(ns_synced_tx);
+        let mut relist: Option<HashSet<String>> = None;
         while let Some(event) = stream.next().await {
             match event {
+                // The first list has nothing to take out: only a relist tracks what it saw.
+                Ok(WatchEvent::Init) => relist = signal.is_none().then(HashSet::new),
                 Ok(WatchEvent::InitApply(ns)) | Ok(WatchEvent::Apply(ns)) => {
-                    let name = ns.metadata.name.clone().unwrap_or_default();
-                    let labels = ns.metadata.labels.clone().unwrap_or_default();
+                    let name = ns.metadata.name.unwrap_or_default();
+                    let labels = namespace_keys.retain(ns.metadata.labels.unwrap_or_default());
+                    if let Some(seen) = relist.as_mut() {
+                        seen.insert(name.clone());
+                    }
                     let old = cache_n.upsert_namespace(name.clone(), labels.clone());
                     let _ = tx_n.send(ClusterEvent::Namespace {
                         name,
@@ -291,11 +303,19 @@ pub fn spawn_watches(
                     cache_n.write().unwrap().namespaces.remove(&name);
                 }
                 Ok(WatchEvent::InitDone) => {
+                    // Namespaces deleted while the watch was down (a relist after 410 Gone)
+                    // would otherwise be kept for the agent's life.
+                    if let Some(seen) = relist.take() {
+                        cache_n
+                            .write()
+                            .unwrap()
+                            .namespaces
+                            .retain(|name, _| seen.contains(name));
+                    }
                     if let Some(s) = signal.take() {
                         let _ = s.send(());
                     }
                 }
-                Ok(WatchEvent::Init) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "namespace watch error, retrying with backoff")
                 }
