@@ -13,7 +13,11 @@
 //!   under churn, less the same window measured with no agent (the server's own loopback
 //!   clients watch namespaces too), and its own CPU and RSS;
 //! - at the largest size, a kill -9 of the API server and its restart: the LISTs each agent
-//!   makes of the new server (one per watch is the floor; more is a relist storm).
+//!   makes of the new server (one per watch is the floor; more is a relist storm);
+//! - at the largest size, the API server's side of N agents (1, 10, 50): our agent's pod and
+//!   namespace watches (`cni_agent::ambient::cluster::spawn_watches`, as the agent starts them)
+//!   run in this process, each with its own client and node name, no network namespace; what
+//!   the server sends and spends for them idle and under churn, and after its restart.
 //!
 //! CPU-seconds, RSS, request counts and bytes do not depend on the machine's load; the start-up
 //! time does (it is wall-clock, on two CPUs shared with the API server and anything else).
@@ -21,13 +25,19 @@
 //! Run: `scripts/bench-node --scale` (`--against-istio` too for Istio's agent, alternating with
 //! ours at each size). Knobs: `SCALE_SIZES` (`namespaces:pods,…`, default `1000:10000,10000:50000`),
 //! `SCALE_OWN` (own-node pods, default `30,110,250`), `SCALE_WINDOW_SECS` (each idle and churn
-//! window, default 20), `BENCH_ONLY=ours|istio`.
+//! window, default 20), `SCALE_AGENTS` (watch-side agents, default `1,10,50`; empty: none),
+//! `BENCH_ONLY=ours|istio`.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::json;
+use tokio::sync::mpsc;
+
+use cni_agent::ambient::cluster::{Cluster, ClusterEvent, spawn_watches};
+use cni_core::enroll::{CompiledSelectors, default_selectors};
 
 use testbed::apiserver_metrics::Scrape;
 use testbed::cluster_fill;
@@ -75,6 +85,18 @@ fn own_counts() -> Vec<usize> {
             v.trim()
                 .parse()
                 .unwrap_or_else(|_| panic!("SCALE_OWN: {v:?} is not a number"))
+        })
+        .collect()
+}
+
+fn agent_counts() -> Vec<usize> {
+    let spec = std::env::var("SCALE_AGENTS").unwrap_or_else(|_| "1,10,50".into());
+    spec.split(',')
+        .filter(|v| !v.trim().is_empty())
+        .map(|v| {
+            v.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("SCALE_AGENTS: {v:?} is not a number"))
         })
         .collect()
 }
@@ -413,6 +435,40 @@ impl Bench {
             .join("; ")
     }
 
+    /// Starts watch-side agents until `to` run: each its own client (its own connections) and
+    /// node name; returns once all have synced. They run until the bench ends.
+    async fn add_watchers(&self, from: usize, to: usize) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        let env = &self.node.kube;
+        env.write_kubeconfig(&path, env.admin_token());
+        let keys = CompiledSelectors::compile(&default_selectors())
+            .unwrap()
+            .namespace_keys();
+        let mut synced = Vec::new();
+        for i in from..to {
+            let kubeconfig = kube::config::Kubeconfig::read_from(&path).unwrap();
+            let cfg = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                .await
+                .unwrap();
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            spawn_watches(
+                kube::Client::try_from(cfg).unwrap(),
+                &format!("watch-only-{i}"),
+                keys.clone(),
+                Arc::new(Cluster::default()),
+                tx,
+                cni_agent::http::Readiness::new().condition("watches"),
+            );
+            synced.push(async move {
+                while !matches!(rx.recv().await, Some(ClusterEvent::Synced) | None) {}
+            });
+        }
+        tokio::time::timeout(Duration::from_secs(600), futures::future::join_all(synced))
+            .await
+            .expect("watch-side agents synced within 600 s");
+    }
+
     /// The same windows with no agent: what the server's own clients cost.
     async fn baseline(&mut self) -> (ApiCost, ApiCost) {
         self.node.kill_agent();
@@ -556,5 +612,55 @@ async fn main() {
     println!(
         "the same with no agent (the server's own clients): {}",
         restart_baseline
+    );
+    watch_side_agents(&mut bench).await;
+}
+
+/// The API server's side of N agents at the largest size (see the module's comment).
+async fn watch_side_agents(bench: &mut Bench) {
+    let counts = agent_counts();
+    if counts.is_empty() {
+        return;
+    }
+    let w = bench.window;
+    let baseline = bench.baseline().await;
+    println!();
+    println!(
+        "watch-side agents (our pod and namespace watches, each its own client and node name), {} namespaces, {} other pods; per minute, less the same window with none",
+        bench.namespaces, bench.pods
+    );
+    println!();
+    println!(
+        "| agents | start-up LISTs, MiB listed | requests/min idle / churn | watch MiB/min idle / churn | kube-apiserver + etcd CPU, ms/min idle / churn | kube-apiserver RSS |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut running = 0;
+    for n in counts {
+        let before = bench.scrape().await;
+        bench.add_watchers(running, n).await;
+        running = n;
+        let startup = ApiCost::between(&before, &bench.scrape().await, None);
+        let ((idle, _), (churn, _)) = bench.windows().await;
+        let (idle, churn) = (idle.minus(baseline.0), churn.minus(baseline.1));
+        let server = process_named("kube-apiserver").map_or(0, |p| rss_kib(p, "VmRSS"));
+        println!(
+            "| {n} | {:.0}, {:.1} | {:.1} / {:.1} | {:.2} / {:.2} | {:.0} / {:.0} | {:.0} MiB |",
+            startup.lists,
+            startup.list_bytes / 1048576.0,
+            per_minute(idle.requests, w),
+            per_minute(churn.requests, w),
+            per_minute(idle.watch_bytes, w) / 1048576.0,
+            per_minute(churn.watch_bytes, w) / 1048576.0,
+            per_minute(idle.server_cpu_ms, w),
+            per_minute(churn.server_cpu_ms, w),
+            mib(server),
+        );
+        eprintln!("bench: {n} watch-side agents measured");
+    }
+    println!();
+    println!(
+        "kube-apiserver killed and restarted, {running} watch-side agents running: in the next {}s {}",
+        AFTER_RESTART.as_secs(),
+        bench.restart_lists().await
     );
 }
