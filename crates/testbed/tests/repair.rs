@@ -437,6 +437,8 @@ fn in_place(run_dir: &std::path::Path, backend: &'static str) -> InPlaceRepair {
             host_prefix: "/".into(),
             proc_dir: "/proc".into(),
             host: Netns::current().unwrap().id(),
+            // Not the machine's /var/run/netns: other tests' namespaces are not ours to open.
+            netns_dir: run_dir.join("pinned-netns"),
         },
         backend,
         force_iptables_binary: Some("nft".into()),

@@ -1,17 +1,25 @@
 //! Finds the network namespace of a running (crash-looping) pod for in-place repair: the path the
-//! runtime gave in CNI ADD when the agent recorded one, else a scan of the host's /proc. Either
-//! way the namespace must hold one of the pod's IPs, so a reused path or a stray process can never
-//! pair the pod with another pod's namespace.
+//! runtime gave in CNI ADD when the agent recorded one, else a scan of the host's /proc, else the
+//! namespaces the runtime pinned in the netns directory. Every way the namespace must hold one of
+//! the pod's IPs, so a reused path or a stray process can never pair the pod with another pod's
+//! namespace.
+//!
+//! The pinned directory is the last resort for a sandbox no process lives in: CRI-O with
+//! `drop_infra_ctr=true` runs no pause process, so while the pod's only containers (its
+//! validation init container) crash-loop, /proc has nothing in the namespace, and a pod created
+//! while the agent was away has no hint either (istio/istio#60478; Istio's repair looks in /proc
+//! only).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 
 use cni_core::zds::WorkloadInfo;
 use dataplane::netns::{Netns, NetnsId};
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::ambient::hints::NetnsHints;
-use crate::procfs::{HostNetns, ProcScanner, WantedPod};
+use crate::procfs::{HostNetns, ProcScanner, WantedPod, addresses, addresses_contain_any};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FindError {
@@ -19,8 +27,10 @@ pub enum FindError {
     NoUid,
     #[error("pod has no IP yet: its namespace cannot be verified")]
     NoIps,
-    #[error("no namespace holding the pod's IPs found (hint or /proc)")]
+    #[error("no namespace holding the pod's IPs found (hint, /proc or the pinned netns directory)")]
     NotFound,
+    #[error("several pinned namespaces hold the pod's IPs: {0:?}")]
+    Ambiguous(Vec<PathBuf>),
     #[error("scanning {0}: {1}")]
     Scan(PathBuf, String),
 }
@@ -33,6 +43,9 @@ pub struct PodNetnsFinder {
     pub proc_dir: PathBuf,
     /// The host's own namespace, never a pod's.
     pub host: NetnsId,
+    /// Where the runtime pins pod namespaces, as the agent sees it (`<host_prefix>/var/run/netns`,
+    /// the chart's `cniNetnsDir` mount).
+    pub netns_dir: PathBuf,
 }
 
 impl PodNetnsFinder {
@@ -55,19 +68,49 @@ impl PodNetnsFinder {
         );
         let wanted = HashMap::from([(uid.clone(), WantedPod { workload, ips })]);
         let (proc_dir, host) = (self.proc_dir.clone(), self.host);
-        let found = tokio::task::spawn_blocking(move || {
-            ProcScanner::with_host(&proc_dir, host)
+        let netns_dir = self.netns_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            let found = ProcScanner::with_host(&proc_dir, host)
                 .find(&HostNetns, &wanted)
-                .map_err(|e| FindError::Scan(proc_dir, e.to_string()))
+                .map_err(|e| FindError::Scan(proc_dir, e.to_string()))?;
+            if let Some(f) = found.into_values().next() {
+                return Ok(f.netns);
+            }
+            let ips = &wanted[&uid].ips;
+            pinned(&netns_dir, host, ips)?.ok_or(FindError::NotFound)
         })
         .await
-        .map_err(|e| FindError::Scan(self.proc_dir.clone(), e.to_string()))??;
-        found
-            .into_values()
-            .next()
-            .map(|f| f.netns)
-            .ok_or(FindError::NotFound)
+        .map_err(|e| FindError::Scan(self.proc_dir.clone(), e.to_string()))?
     }
+}
+
+/// The one namespace pinned in `dir` that holds one of `ips` (several files may pin the same
+/// namespace). Entries that are not network namespaces, or whose addresses cannot be read, are
+/// skipped; two different namespaces holding the IPs are refused rather than guessed between.
+fn pinned(dir: &Path, host: NetnsId, ips: &[IpAddr]) -> Result<Option<Netns>, FindError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(FindError::Scan(dir.to_path_buf(), e.to_string())),
+    };
+    let mut found: Option<(Netns, Vec<PathBuf>)> = None;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(ns) = Netns::open(&path) else { continue };
+        if ns.id() == host || !addresses(&ns).is_ok_and(|a| addresses_contain_any(&a, ips)) {
+            continue;
+        }
+        match &mut found {
+            None => found = Some((ns, vec![path])),
+            Some((f, paths)) => {
+                paths.push(path);
+                if f.id() != ns.id() {
+                    return Err(FindError::Ambiguous(std::mem::take(paths)));
+                }
+            }
+        }
+    }
+    Ok(found.map(|(ns, _)| ns))
 }
 
 #[cfg(test)]
@@ -105,6 +148,7 @@ mod tests {
             host_prefix: "/".into(),
             proc_dir: empty_proc.path().to_path_buf(),
             host: Netns::current().unwrap().id(),
+            netns_dir: run.path().join("no-pinned-netns"),
         };
         let found = finder.find(&pod("uid-1", "10.251.3.7")).await.unwrap();
         assert_eq!(found.id(), ns.open().id());
@@ -116,6 +160,83 @@ mod tests {
         assert!(matches!(
             finder.find(&pod("uid-2", "")).await,
             Err(FindError::NoIps)
+        ));
+    }
+
+    /// A namespace pinned by a bind mount in a directory of our own, like the runtime's pin in
+    /// /var/run/netns; unmounted on drop (before the namespace's own pin goes).
+    struct Pin(std::path::PathBuf);
+
+    impl Pin {
+        fn new(ns: &TestNetns, dir: &std::path::Path, name: &str) -> Self {
+            let path = dir.join(name);
+            std::fs::write(&path, b"").unwrap();
+            dataplane::test_support::run(
+                "mount",
+                &[
+                    "--bind",
+                    &ns.path().display().to_string(),
+                    &path.display().to_string(),
+                ],
+            );
+            Pin(path)
+        }
+    }
+
+    impl Drop for Pin {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+
+    fn pod_namespace(prefix: &str, ip: &str) -> TestNetns {
+        let ns = TestNetns::new(prefix);
+        ns.exec(
+            "ip",
+            &[
+                "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+            ],
+        );
+        ns.exec("ip", &["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+        ns
+    }
+
+    /// CRI-O's `drop_infra_ctr=true` (istio/istio#60478): no process in the sandbox and no hint,
+    /// only the runtime's pin. The pinned namespace holding the pod's IP is found; other files
+    /// and namespaces in the directory are passed over; two namespaces holding it are refused.
+    #[tokio::test]
+    async fn a_sandbox_without_a_process_is_found_by_its_pinned_namespace() {
+        dataplane::require_root!();
+        let pod_ns = pod_namespace("repair-pin", "10.251.4.7");
+        let other_ns = pod_namespace("repair-pin", "10.251.4.8");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("not-a-netns"), b"x").unwrap();
+        let _pins = [
+            Pin::new(&pod_ns, dir.path(), "pod"),
+            Pin::new(&other_ns, dir.path(), "other"),
+        ];
+        let run = tempfile::tempdir().unwrap();
+        let empty_proc = tempfile::tempdir().unwrap();
+        let finder = PodNetnsFinder {
+            hints: NetnsHints::new(run.path()),
+            host_prefix: "/".into(),
+            proc_dir: empty_proc.path().to_path_buf(),
+            host: Netns::current().unwrap().id(),
+            netns_dir: dir.path().to_path_buf(),
+        };
+        let found = finder.find(&pod("uid-1", "10.251.4.7")).await.unwrap();
+        assert_eq!(found.id(), pod_ns.open().id());
+        assert!(matches!(
+            finder.find(&pod("uid-1", "10.251.4.9")).await,
+            Err(FindError::NotFound)
+        ));
+
+        // A second namespace with the same IP (a leaked sandbox): neither is guessed.
+        let twin = pod_namespace("repair-pin", "10.251.4.7");
+        let _twin_pin = Pin::new(&twin, dir.path(), "twin");
+        assert!(matches!(
+            finder.find(&pod("uid-1", "10.251.4.7")).await,
+            Err(FindError::Ambiguous(paths)) if paths.len() == 2
         ));
     }
 }
