@@ -63,6 +63,7 @@ impl InPlaceRepair {
                 host_prefix: a.host_prefix.clone(),
                 proc_dir: a.host_prefix.join("proc"),
                 host: host.id(),
+                netns_dir: a.host_prefix.join("var/run/netns"),
             },
             backend: if install.native_nftables {
                 "nftables"
