@@ -239,14 +239,15 @@ mod tests {
         let cache = Arc::new(Cluster::default());
         cache.upsert_namespace("apps".into(), Labels::new());
         let writer = cache.clone();
+        // On this single-threaded runtime the writer first runs when find_pod has missed the
+        // cache and waits: the pods arrive late, and without a sleep racing the wait's deadline
+        // on a loaded machine (the woken wait is polled before its timer).
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(30)).await;
             writer.upsert_pod(pod("apps", "other"));
             writer.upsert_pod(pod("apps", "web"));
         });
         // The API server here can never answer, so success means the wait was woken by the
-        // update (a wait that ran out asks the API server and fails). No elapsed-time check:
-        // on a loaded machine the wake-up itself can land after the deadline.
+        // update (a wait that ran out asks the API server and fails).
         let (found, _) = find_pod(&cache, &unreachable_api(), "apps", "web")
             .await
             .unwrap();
