@@ -245,6 +245,9 @@ pub async fn run(
             if let Err(e) = tokio::task::spawn_blocking(move || dp.teardown_host()).await? {
                 tracing::error!(error = %e, "host cleanup failed");
             }
+            if let Err(e) = n.dataplane.forget_iptables_variant(&run_dir) {
+                tracing::error!(error = %e, "cannot remove the iptables variant recorded for Istio's agent");
+            }
         }
     } else if requested {
         tracing::info!(

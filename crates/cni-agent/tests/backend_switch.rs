@@ -229,6 +229,19 @@ fn the_iptables_backend_names_its_variant_where_istio_reads_it() {
                 "{name}, {family}"
             );
         }
+        // Uninstall takes ours away (nothing of ours left on the node) and leaves another's.
+        dataplane(name, &host, proc_dir.path())
+            .forget_iptables_variant(run_dir.path())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        for family in ["v4", "v6"] {
+            let left = read(run_dir.path(), family);
+            let want_left = (want == "stale").then_some("stale");
+            assert_eq!(
+                left.as_deref(),
+                want_left,
+                "{name}, {family} after uninstall"
+            );
+        }
     }
     // A run dir that cannot be written is an error naming the file.
     let err = dataplane("iptables-nft", &host, proc_dir.path())

@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use cni_core::redirect::ambient::InpodConfig;
@@ -23,6 +23,7 @@ use dataplane::nft::host::ProbeSets;
 use dataplane::nft::{KeptSocket, NftablesBackend};
 
 use super::mesh::{BoxError, PodRules, ProbeSet};
+use crate::hostfs::{FileMode, HostDir};
 
 enum Backend {
     Iptables {
@@ -129,12 +130,19 @@ impl NodeDataplane {
             return Ok(());
         };
         let variant = backend.binaries().variant.to_string();
-        for family in ["v4", "v6"] {
-            let path = run_dir.join(format!("detected-iptables-backend-{family}"));
-            std::fs::write(&path, &variant)
-                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        for_variant_files(run_dir, |dir, name| {
+            dir.write_atomic(name, variant.as_bytes(), FileMode::Exactly(0o644))
+        })
+    }
+
+    /// Uninstall: the files [`record_iptables_variant`](Self::record_iptables_variant) wrote go
+    /// with the rules they named (an upgrade keeps both). With the nftables backend they are not
+    /// ours, and stay.
+    pub fn forget_iptables_variant(&self, run_dir: &Path) -> std::io::Result<()> {
+        if !matches!(self.backend, Backend::Iptables { .. }) {
+            return Ok(());
         }
-        Ok(())
+        for_variant_files(run_dir, |dir, name| dir.remove(name).map(drop))
     }
 
     fn rules(&self) -> &dyn InpodRules {
@@ -487,4 +495,22 @@ impl ProbeSet for NodeDataplane {
 /// Shares one node dataplane as both seams of [`super::mesh::Mesh`].
 pub fn seams(node: Arc<NodeDataplane>) -> (Arc<dyn PodRules>, Arc<dyn ProbeSet>) {
     (node.clone(), node)
+}
+
+/// `op` on each of Istio's detected-iptables-backend files in `run_dir` (symlink-safe: through the
+/// directory's fd); an error names the file.
+fn for_variant_files(
+    run_dir: &Path,
+    mut op: impl FnMut(&HostDir, &str) -> Result<(), crate::hostfs::HostFsError>,
+) -> std::io::Result<()> {
+    let named = |path: PathBuf, e: &dyn std::fmt::Display| {
+        std::io::Error::other(format!("{}: {e}", path.display()))
+    };
+    let first = run_dir.join("detected-iptables-backend-v4");
+    let dir = HostDir::open(run_dir).map_err(|e| named(first, &e))?;
+    for family in ["v4", "v6"] {
+        let name = format!("detected-iptables-backend-{family}");
+        op(&dir, &name).map_err(|e| named(run_dir.join(&name), &e))?;
+    }
+    Ok(())
 }
