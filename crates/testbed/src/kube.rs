@@ -269,6 +269,23 @@ impl KubeTestEnv {
         std::fs::write(path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
     }
 
+    /// An admin client that reaches this API through another endpoint on 127.0.0.1 (a proxy in
+    /// front of it).
+    pub async fn admin_client_via(&self, port: u16) -> kube::Client {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        self.write_kubeconfig_for(
+            &path,
+            self.admin_token(),
+            &format!("https://127.0.0.1:{port}"),
+        );
+        let kubeconfig = kube::config::Kubeconfig::read_from(&path).unwrap();
+        let cfg = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+            .await
+            .unwrap();
+        kube::Client::try_from(cfg).unwrap()
+    }
+
     /// The static admin token (group `system:masters`).
     pub fn admin_token(&self) -> &'static str {
         ADMIN_TOKEN

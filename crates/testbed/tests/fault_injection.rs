@@ -10,21 +10,6 @@ use kube::api::{Api, PostParams};
 use testbed::api_proxy::ApiProxy;
 use testbed::kube::KubeTestEnv;
 
-async fn client_via(env: &KubeTestEnv, port: u16) -> kube::Client {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("kubeconfig");
-    env.write_kubeconfig_for(
-        &path,
-        env.admin_token(),
-        &format!("https://127.0.0.1:{port}"),
-    );
-    let kubeconfig = kube::config::Kubeconfig::read_from(&path).unwrap();
-    let cfg = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-        .await
-        .unwrap();
-    kube::Client::try_from(cfg).unwrap()
-}
-
 fn namespace(name: &str) -> Namespace {
     serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap()
 }
@@ -33,7 +18,7 @@ fn namespace(name: &str) -> Namespace {
 async fn api_proxy_passes_fails_on_demand_and_recovers() {
     let mut env = KubeTestEnv::start().await;
     let proxy = ApiProxy::start(&env).await;
-    let namespaces = Api::<Namespace>::all(client_via(&env, proxy.port()).await);
+    let namespaces = Api::<Namespace>::all(env.admin_client_via(proxy.port()).await);
 
     namespaces
         .create(&PostParams::default(), &namespace("through-proxy"))

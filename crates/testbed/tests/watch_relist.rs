@@ -27,21 +27,6 @@ const NODE: &str = "relist-node";
 /// Generous: the machine is shared, and the watcher's backoff grows while the proxy refuses.
 const WAIT: Duration = Duration::from_secs(90);
 
-async fn client_via(env: &KubeTestEnv, port: u16) -> kube::Client {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("kubeconfig");
-    env.write_kubeconfig_for(
-        &path,
-        env.admin_token(),
-        &format!("https://127.0.0.1:{port}"),
-    );
-    let kubeconfig = kube::config::Kubeconfig::read_from(&path).unwrap();
-    let cfg = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-        .await
-        .unwrap();
-    kube::Client::try_from(cfg).unwrap()
-}
-
 async fn create_namespace(admin: &kube::Client, ns: serde_json::Value) {
     Api::<Namespace>::all(admin.clone())
         .create(&PostParams::default(), &serde_json::from_value(ns).unwrap())
@@ -143,7 +128,7 @@ async fn watches_keep_only_what_the_agent_reads_and_relist_once_after_410_gone()
     let (tx, mut rx) = mpsc::unbounded_channel();
     let selectors = CompiledSelectors::compile(&default_selectors()).unwrap();
     spawn_watches(
-        client_via(&env, proxy.port()).await,
+        env.admin_client_via(proxy.port()).await,
         NODE,
         selectors.namespace_keys(),
         cluster.clone(),
