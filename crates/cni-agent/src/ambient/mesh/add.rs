@@ -65,6 +65,12 @@ impl Mesh {
     /// see it as HBONE. When a step fails, the patch is awaited and then compensated: the
     /// annotation goes back to what it was (`pending` when ztunnel refused or did not answer,
     /// as before), so a failed ADD never leaves `enabled` behind that it did not find.
+    ///
+    /// ztunnel's acked Add is not taken back when the patch or the probe set fails after it: the
+    /// pod is redirected, and the runtime retries the sandbox, whose ADD sends an Add of the same
+    /// UID that replaces it (a pod deleted instead is removed by the informer's delete). A Del
+    /// here would only tear down what that Add replaces anyway (pinned by the `fail_closed`
+    /// tests of a failed patch and a failed probe set).
     async fn add_locked(
         &self,
         pod: &CachedPod,
