@@ -16,24 +16,8 @@ client_ext='basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nexten
 server_ext() { printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=%s' "$1"; }
 
 kubeconfig() { # name cert-path-without-suffix: <node_pki>/name.kubeconfig, this node's API address
-  cat >"$node_pki/$1.kubeconfig" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: $cluster_name
-  cluster:
-    server: $api_server
-    certificate-authority: $pki/ca.crt
-users:
-- name: $1
-  user:
-    client-certificate: $2.crt
-    client-key: $2.key
-contexts:
-- name: $cluster_name
-  context: {cluster: $cluster_name, user: $1}
-current-context: $cluster_name
-EOF
+  local user=$1 client_cert=$2
+  render kubeconfig.yaml >"$node_pki/$1.kubeconfig"
 }
 
 make_pki() {

@@ -16,61 +16,11 @@ esac
 # The primary's conflist as its installer writes it, for the selected node's pod CIDR.
 primary_conflist_text() {
   case $primary in
-    bridge) cat <<EOF ;;
-{
-  "cniVersion": "1.0.0",
-  "name": "real-node",
-  "plugins": [
-    {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
-     "ipam": {"type": "host-local", "ranges": [[{"subnet": "$pod_cidr"}]],
-              "routes": [{"dst": "0.0.0.0/0"}], "dataDir": "/run/cni-ipam"}},
-    {"type": "portmap", "capabilities": {"portMappings": true}}
-  ]
-}
-EOF
+    bridge) render bridge.conflist ;;
     # kindnet's (kind's default CNI) template: ptp, host routes to each pod's veth, no bridge.
-    ptp) cat <<EOF ;;
-{
-  "cniVersion": "0.3.1",
-  "name": "kindnet",
-  "plugins": [
-    {
-      "type": "ptp",
-      "ipMasq": false,
-      "ipam": {
-        "type": "host-local",
-        "dataDir": "/run/cni-ipam-state",
-        "routes": [{"dst": "0.0.0.0/0"}],
-        "ranges": [[{"subnet": "$pod_cidr"}]]
-      },
-      "mtu": 1500
-    },
-    {"type": "portmap", "capabilities": {"portMappings": true}}
-  ]
-}
-EOF
+    ptp) render kindnet.conflist ;;
     # kube-flannel's cni-conf.json: the subnet comes from flanneld's /run/flannel/subnet.env.
-    flannel) cat <<EOF ;;
-{
-  "name": "cbr0",
-  "cniVersion": "0.3.1",
-  "plugins": [
-    {
-      "type": "flannel",
-      "delegate": {
-        "hairpinMode": true,
-        "isDefaultGateway": true
-      }
-    },
-    {
-      "type": "portmap",
-      "capabilities": {
-        "portMappings": true
-      }
-    }
-  ]
-}
-EOF
+    flannel) render flannel.conflist ;;
   esac
 }
 
@@ -85,7 +35,7 @@ start_flannel() {
   kubectl_in patch node "$node_name" --type merge \
     -p "{\"spec\":{\"podCIDR\":\"$pod_cidr\",\"podCIDRs\":[\"$pod_cidr\"]}}" >/dev/null
   mkdir -p "$node_dir/flannel"
-  printf '{"Network": "%s", "Backend": {"Type": "vxlan"}}\n' "$cluster_cidr" >"$node_dir/flannel/net-conf.json"
+  render flannel-net-conf.json >"$node_dir/flannel/net-conf.json"
   inside sh -c "mkdir -p /run/flannel && rm -f /run/flannel/subnet.env && cp -f '$flannel_bin/flannel' /opt/cni/bin/flannel"
   primary_conflist_text | inside sh -c "cat >$primary_conflist"
   start_component flannel env NODE_NAME="$node_name" "$flannel_bin/flanneld" --kube-subnet-mgr \

@@ -11,33 +11,7 @@ runtime_layout() { sock="$node_dir/containerd/containerd.sock"; }
 write_runtime_config() {
   local dir=$node_dir
   mkdir -p "$dir/containerd"
-  cat >"$dir/containerd/config.toml" <<EOF
-version = 2
-root = "$dir/containerd/root"
-state = "/run/containerd"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
-[grpc]
-  address = "$sock"
-[plugins."io.containerd.internal.v1.opt"]
-  path = "$dir/containerd/opt"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "localhost/istio-cni-rs/pause:dev"
-  # The machine's processes lack CAP_SYS_RESOURCE: lowering a score below the parent's fails.
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  stream_server_address = "127.0.0.1"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/opt/cni/bin"
-    conf_dir = "/etc/cni/net.d"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    default_runtime_name = "$runtime"
-  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.$runtime]
-    runtime_type = "io.containerd.runc.v2"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.$runtime.options]
-      BinaryName = "$runtime_binary"
-      SystemdCgroup = false
-EOF
+  render containerd-config.toml >"$dir/containerd/config.toml"
 }
 
 start_containerd() {
