@@ -1,6 +1,7 @@
 //! Every failure branch of a CNI ADD through the recording fakes: what the ADD reports, what was
-//! undone, and what the pod's annotation says afterwards. The pod's namespace is the test's own,
-//! so no step needs root; nothing reaches an API server.
+//! undone, and what the pod's annotation says afterwards; and the drift check that enrolls a pod
+//! the agent kept without a namespace. The pod's namespace is the test's own, so no step needs
+//! root; nothing reaches an API server.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -18,7 +19,8 @@ use crate::ambient::hints::NetnsHints;
 use crate::metrics::Metrics;
 use crate::netns_cache::NetnsCache;
 
-const UID: &str = "uid-web";
+/// A pod UID as kubelet writes it into the pod's cgroup path.
+const UID: &str = "0e8b1a5c-b29f-11e7-9350-020968147796";
 const POD: &str = "default/web";
 /// `CNI_NETNS` beneath the host prefix `/`: the test's own namespace.
 const NETNS: &str = "/proc/self/ns/net";
@@ -332,4 +334,78 @@ async fn failed_rules_of_a_replaced_sandbox_leave_enabled_as_found() {
     );
     assert_eq!(bed.annotation(), Redirection::Enabled);
     bed.assert_failed_add_cleaned(&err);
+}
+
+/// A process of pod `uid` in the test's own namespace, as `/proc/<pid>` shows one: its `ns/net`,
+/// its `stat` (the test's own), and a cgroup path naming the pod.
+fn fake_process(proc_dir: &std::path::Path, pid: u32, uid: &str) {
+    let dir = proc_dir.join(pid.to_string());
+    std::fs::create_dir_all(dir.join("ns")).unwrap();
+    std::os::unix::fs::symlink(NETNS, dir.join("ns/net")).unwrap();
+    std::fs::copy("/proc/self/stat", dir.join("stat")).unwrap();
+    let cgroup = format!(
+        "0::/kubepods/besteffort/pod{uid}/9bca8d63d5fa610783847915bcff0ecac1273e5b4bed3f6fa1b07350e0135961\n"
+    );
+    std::fs::write(dir.join("cgroup"), cgroup).unwrap();
+}
+
+/// A pod an agent restart kept without a namespace (none held its addresses at the restore): the
+/// drift check looks for it under /proc again each time, and once a process of the pod runs in a
+/// namespace holding its address, enrolls that namespace, hands it to ztunnel as an Add and
+/// caches it, counted as a pod repair. Before the fix it was skipped at every check for good.
+#[tokio::test]
+async fn the_drift_check_enrolls_a_pod_kept_without_a_namespace_once_it_is_found() {
+    let bed = bed();
+    let own = bed
+        .mesh
+        .cache
+        .open_netns(NETNS, bed.mesh.host_netns)
+        .unwrap();
+    let held = crate::procfs::addresses(&own).unwrap();
+    let ip = *held.first().expect("the test's namespace holds an address");
+    let mut pod = pod();
+    pod.ips = vec![ip];
+    let pod = Arc::new(pod);
+    bed.mesh.keep(&pod);
+    let proc_dir = bed.mesh.proc_dir.clone();
+    std::fs::create_dir_all(&proc_dir).unwrap();
+    let repairs = || {
+        let label = crate::metrics::DriftLabel {
+            backend: "fake".into(),
+            scope: "pod",
+        };
+        bed.mesh.metrics.drift_repairs.get_or_create(&label).get()
+    };
+
+    // No process of the pod's yet (its sandbox not back): nothing done, nothing counted.
+    assert_eq!(bed.mesh.repair_drift(std::slice::from_ref(&pod)).await, 0);
+    assert!(
+        bed.fakes.journal.lines().is_empty(),
+        "{:?}",
+        bed.fakes.journal.lines()
+    );
+    assert!(bed.mesh.cache.get(UID).unwrap().netns.is_none());
+
+    // A process of another pod in a namespace holding the address is not the pod's.
+    fake_process(&proc_dir, 41, "1f8b1a5c-b29f-11e7-9350-020968147796");
+    assert_eq!(bed.mesh.repair_drift(std::slice::from_ref(&pod)).await, 0);
+    assert!(
+        bed.fakes.journal.lines().is_empty(),
+        "{:?}",
+        bed.fakes.journal.lines()
+    );
+
+    fake_process(&proc_dir, 42, UID);
+    assert_eq!(bed.mesh.repair_drift(std::slice::from_ref(&pod)).await, 1);
+    assert_eq!(
+        bed.fakes.journal.lines(),
+        ["rules enroll".to_string(), format!("ztunnel add {UID}")]
+    );
+    let cached = bed.mesh.cache.get(UID).unwrap().netns.expect("cached now");
+    assert_eq!(cached.id(), own.id());
+    assert_eq!(repairs(), 1);
+
+    // Found, it is checked like any enrolled pod: in sync, nothing more.
+    assert_eq!(bed.mesh.repair_drift(std::slice::from_ref(&pod)).await, 0);
+    assert_eq!(bed.fakes.journal.lines().len(), 2);
 }

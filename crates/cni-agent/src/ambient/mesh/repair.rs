@@ -50,7 +50,7 @@ impl Mesh {
         };
         // Held across the check and the repair; a pod removed meanwhile is no longer cached.
         let _pod_lock = self.locks.lock(uid).await;
-        let Some(netns) = self.cache.get(uid).and_then(|e| e.netns) else {
+        let Some(cached) = self.cache.get(uid) else {
             return false;
         };
         let Ok(cfg) = self.pod_config(pod) else {
@@ -62,6 +62,11 @@ impl Mesh {
             true => Vec::new(),
             false => crate::ambient::cluster::facts(pod).ips,
         };
+        let Some(netns) = cached.netns else {
+            // Kept without a namespace (the restore found none holding its addresses): looked
+            // for again at every check, or it would stay unredirected until the agent restarts.
+            return !ips.is_empty() && self.enroll_replaced(pod, uid, None, cfg, ips).await;
+        };
         let (rules, owned, c) = (self.rules.clone(), ips.clone(), cfg.clone());
         let found = in_netns(&netns, move |netns| {
             if replaced(&owned, |ips| HostNetns.owns(netns, ips)) {
@@ -71,7 +76,7 @@ impl Mesh {
         })
         .await;
         match found {
-            Ok(Checked::Replaced) => self.enroll_replaced(pod, uid, &netns, cfg, ips).await,
+            Ok(Checked::Replaced) => self.enroll_replaced(pod, uid, Some(&netns), cfg, ips).await,
             Ok(Checked::Rules(result)) => self.report_repair(pod, Ok(result)),
             Err(e) => self.report_repair(pod, Err(e)),
         }
@@ -87,13 +92,14 @@ impl Mesh {
     /// one in the new namespace); only then does it replace the cached one, so a failed step is
     /// found and retried at the next check. Nothing is found while the new sandbox has no
     /// process yet, nor while the ADD that made it is in flight (it caches its namespace before
-    /// the API shows the new address): the next check looks again. Returns whether it
-    /// re-enrolled the pod.
+    /// the API shows the new address): the next check looks again. Without a `stale` namespace
+    /// (a pod kept without one) any namespace of the pod's holding its addresses is taken.
+    /// Returns whether it re-enrolled the pod.
     async fn enroll_replaced(
         &self,
         pod: &CachedPod,
         uid: &str,
-        stale: &Netns,
+        stale: Option<&Netns>,
         cfg: InpodConfig,
         ips: Vec<IpAddr>,
     ) -> bool {
@@ -107,14 +113,23 @@ impl Mesh {
             },
         )]);
         let fresh = match self.discover(wanted).await {
-            Ok(mut found) => found.remove(uid).filter(|ns| ns.id() != stale.id()),
+            Ok(mut found) => found
+                .remove(uid)
+                .filter(|ns| stale.is_none_or(|stale| ns.id() != stale.id())),
             Err(e) => {
                 tracing::warn!(pod = %pod_name, error = %e, "cannot look for the namespace of a pod whose addresses left its own");
                 None
             }
         };
         let Some(fresh) = fresh else {
-            tracing::info!(pod = %pod_name, "the pod's namespace holds none of its addresses, and no other one of its does yet");
+            match stale {
+                Some(_) => {
+                    tracing::info!(pod = %pod_name, "the pod's namespace holds none of its addresses, and no other one of its does yet")
+                }
+                None => {
+                    tracing::debug!(pod = %pod_name, "no namespace of the pod's holds its addresses yet")
+                }
+            }
             return false;
         };
         let fresh = Arc::new(fresh);
@@ -131,10 +146,17 @@ impl Mesh {
             return false;
         };
         self.cache.upsert(uid, workload, cached);
-        // The hint names the old sandbox's namespace; a restart finds the new one under /proc.
+        // A hint names an old sandbox's namespace; a restart finds this one under /proc.
         self.hints.forget(uid);
         self.count_drift_repair("pod");
-        tracing::warn!(pod = %pod_name, "pod's network namespace was replaced without a CNI ADD; enrolled again in the new one");
+        match stale {
+            Some(_) => {
+                tracing::warn!(pod = %pod_name, "pod's network namespace was replaced without a CNI ADD; enrolled again in the new one")
+            }
+            None => {
+                tracing::warn!(pod = %pod_name, "found the network namespace of a pod kept without one; enrolled in it")
+            }
+        }
         true
     }
 
