@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use dataplane::node::{NodeDataplane, NodeOptions};
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -19,7 +20,7 @@ use crate::ambient::cni_server::CniServer;
 use crate::ambient::config::AmbientConfig;
 use crate::ambient::explain::Explainer;
 use crate::ambient::mesh::{Mesh, NodeContext, Seams};
-use crate::ambient::node::{NodeDataplane, seams};
+use crate::ambient::node::{forget_iptables_variant, record_iptables_variant, seams};
 use crate::ambient::reconciler::{Policy, Reconciler};
 use crate::handover::{AgentLock, SocketFile, Taken, Waiting};
 use crate::http::{Readiness, ReadyFlag, health_router, metrics_router};
@@ -245,7 +246,7 @@ pub async fn run(
             if let Err(e) = tokio::task::spawn_blocking(move || dp.teardown_host()).await? {
                 tracing::error!(error = %e, "host cleanup failed");
             }
-            if let Err(e) = n.dataplane.forget_iptables_variant(&run_dir) {
+            if let Err(e) = forget_iptables_variant(&n.dataplane, &run_dir) {
                 tracing::error!(error = %e, "cannot remove the iptables variant recorded for Istio's agent");
             }
         }
@@ -436,13 +437,15 @@ async fn start_ambient(
         nft.then(|| crate::ambient::hints::NetnsHints::new(run_dir).generations_journal());
     let dataplane = tokio::task::spawn_blocking(move || {
         let dataplane = NodeDataplane::new(
-            nft,
-            force.as_deref(),
-            scoped_lock,
             host,
-            inpod,
-            &proc_dir,
-            branch_eni,
+            NodeOptions {
+                backend: if nft { "nftables" } else { "iptables" },
+                force_iptables: force.as_deref(),
+                scoped_xtables_locking: scoped_lock,
+                cfg: inpod,
+                proc_dir: &proc_dir,
+                aws_branch_eni: branch_eni,
+            },
         )
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok::<_, anyhow::Error>(match journal {
@@ -455,7 +458,7 @@ async fn start_ambient(
         })
     })
     .await??;
-    if let Err(e) = dataplane.record_iptables_variant(run_dir) {
+    if let Err(e) = record_iptables_variant(&dataplane, run_dir) {
         tracing::warn!(error = %e, "cannot record the iptables variant for Istio's agent");
     }
     let dataplane = Arc::new(dataplane);
@@ -463,10 +466,7 @@ async fn start_ambient(
         let dp = dataplane.clone();
         match tokio::task::spawn_blocking(move || dp.setup_host()).await? {
             Ok(()) => {
-                tracing::info!(
-                    backend = crate::ambient::mesh::PodRules::backend(&*dataplane),
-                    "host probe rules in place"
-                );
+                tracing::info!(backend = dataplane.backend(), "host probe rules in place");
                 break;
             }
             Err(e) if attempt == HOST_SETUP_ATTEMPTS => anyhow::bail!("host probe rules: {e}"),

@@ -10,9 +10,10 @@ use clap::{ArgAction, Args, Subcommand, ValueEnum};
 use cni_core::redirect::ambient::InpodConfig;
 use cni_core::redirect::ambient::overrides::interface_list;
 use cni_core::redirect::parse_go_bool;
-use dataplane::inpod::RuleState;
+use dataplane::inpod::{InpodRules as _, RuleState};
 use dataplane::netns::Netns;
-use dataplane::{BackendOptions, backend, pod};
+use dataplane::node::{NodeDataplane, NodeOptions};
+use dataplane::{BackendOptions, RuleBackend, pod};
 
 #[derive(Args, Debug, Clone, PartialEq, Eq)]
 pub struct DataplaneArgs {
@@ -194,16 +195,16 @@ fn inpod(a: InpodArgs) -> anyhow::Result<ExitCode> {
         reroute_virtual_interfaces: interface_list(&a.reroute_virtual_interfaces)?,
         ..InpodConfig::default()
     };
-    let b = backend(a.common.backend.as_str(), &options(&a.common))?;
+    let b = RuleBackend::new(a.common.backend.as_str(), &options(&a.common))?;
     if a.common.dry_run {
         print!("{}", b.render(&cfg));
         return Ok(ExitCode::SUCCESS);
     }
     let netns = Netns::open(&a.netns)?;
     match a.action {
-        Action::Apply => pod::enroll(&netns, &cfg, b.as_ref()).context("apply")?,
-        Action::Remove => pod::unenroll(&netns, &cfg, b.as_ref()).context("remove")?,
-        Action::Verify => return Ok(report(pod::verify(&netns, &cfg, b.as_ref())?)),
+        Action::Apply => pod::enroll(&netns, &cfg, &b).context("apply")?,
+        Action::Remove => pod::unenroll(&netns, &cfg, &b).context("remove")?,
+        Action::Verify => return Ok(report(pod::verify(&netns, &cfg, &b)?)),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -227,64 +228,33 @@ fn report(state: RuleState) -> ExitCode {
 }
 
 fn host(a: HostArgs) -> anyhow::Result<ExitCode> {
-    let cfg = InpodConfig {
-        ipv6: a.common.ipv6,
-        ..InpodConfig::default()
-    };
-    let host = Netns::current()?;
-    match a.common.backend {
-        BackendName::Iptables => {
-            let b = dataplane::iptables::IptablesBackend::detect(
-                a.common.force_iptables_binary.as_deref(),
-                cfg.ipv6,
-            )?;
-            if a.common.dry_run {
-                for f in cni_core::redirect::ambient::iptables::families(&cfg) {
-                    print!(
-                        "{}",
-                        cni_core::redirect::iptables::restore_text(
-                            &cni_core::redirect::ambient::iptables::host_probe_rules(&cfg, f)
-                        )
-                    );
-                }
-                return Ok(ExitCode::SUCCESS);
-            }
-            match a.action {
-                Action::Apply => dataplane::host::apply_rules(&host, &b, &cfg)?,
-                Action::Remove => dataplane::host::remove_rules(&host, &b)?,
-                Action::Verify => {
-                    return Ok(report(dataplane::host::verify_rules(&host, &b, &cfg)?));
-                }
-            }
-        }
-        BackendName::Nftables => {
-            let kubelet_uid = dataplane::nft::host::kubelet_uid(&a.proc_root)?;
-            let hcfg = cni_core::redirect::ambient::nft::HostProbeConfig {
-                kubelet_uid,
-                ipv6: cfg.ipv6,
-                probe_snat_v4: cfg.probe_snat_v4,
-                probe_snat_v6: cfg.probe_snat_v6,
-            };
-            match a.action {
-                Action::Apply if !a.common.dry_run => {
-                    dataplane::nft::host::apply_host_rules(&host, &hcfg)?
-                }
-                Action::Remove if !a.common.dry_run => {
-                    dataplane::nft::host::remove_host_rules(&host)?
-                }
-                Action::Verify => {
-                    return Ok(report(dataplane::nft::host::verify_host_rules(
-                        &host, &hcfg,
-                    )?));
-                }
-                _ => print!(
-                    "{}",
-                    cni_core::redirect::ambient::nft::host_ruleset(&hcfg).render()
-                ),
-            }
-        }
+    let node = NodeDataplane::new(
+        Netns::current()?,
+        NodeOptions {
+            backend: a.common.backend.as_str(),
+            force_iptables: a.common.force_iptables_binary.as_deref(),
+            // Host rules take the node-wide xtables lock whatever this says.
+            scoped_xtables_locking: false,
+            cfg: InpodConfig {
+                ipv6: a.common.ipv6,
+                ..InpodConfig::default()
+            },
+            proc_dir: &a.proc_root,
+            aws_branch_eni: false,
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if a.common.dry_run {
+        print!("{}", node.render_host_rules());
+        return Ok(ExitCode::SUCCESS);
     }
-    Ok(ExitCode::SUCCESS)
+    let state = match a.action {
+        Action::Apply => node.apply_host_rules().map(|()| None),
+        Action::Remove => node.remove_host_rules().map(|()| None),
+        Action::Verify => node.verify_host_rules().map(Some),
+    }
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(state.map_or(ExitCode::SUCCESS, report))
 }
 
 #[cfg(test)]

@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use cni_agent::ambient::mesh::PodRules;
-use cni_agent::ambient::node::NodeDataplane;
+use cni_agent::ambient::node::{forget_iptables_variant, record_iptables_variant};
 use cni_core::redirect::ambient::InpodConfig;
 use cni_core::redirect::ambient::consts::OUTBOUND_PORT;
+use dataplane::node::{NodeDataplane, NodeOptions};
 use dataplane::test_support::{TestNetns, run};
 
 const HOST_IP: &str = "10.79.0.1";
@@ -55,20 +55,22 @@ fn count_accepts(
 }
 
 fn dataplane(name: &str, host: &TestNetns, proc_dir: &std::path::Path) -> NodeDataplane {
-    let (nft, force) = match name {
-        "nftables" => (true, None),
-        "iptables-nft" => (false, Some("nft")),
-        "iptables-legacy" => (false, Some("legacy")),
+    let (backend, force_iptables) = match name {
+        "nftables" => ("nftables", None),
+        "iptables-nft" => ("iptables", Some("nft")),
+        "iptables-legacy" => ("iptables", Some("legacy")),
         other => panic!("{other}"),
     };
     NodeDataplane::new(
-        nft,
-        force,
-        true,
         host.open(),
-        InpodConfig::default(),
-        proc_dir,
-        false,
+        NodeOptions {
+            backend,
+            force_iptables,
+            scoped_xtables_locking: true,
+            cfg: InpodConfig::default(),
+            proc_dir,
+            aws_branch_eni: false,
+        },
     )
     .unwrap_or_else(|e| panic!("{name}: {e}"))
 }
@@ -218,8 +220,7 @@ fn the_iptables_backend_names_its_variant_where_istio_reads_it() {
                 .join(format!("detected-iptables-backend-{family}"));
             std::fs::write(file, "stale").unwrap();
         }
-        dataplane(name, &host, proc_dir.path())
-            .record_iptables_variant(run_dir.path())
+        record_iptables_variant(&dataplane(name, &host, proc_dir.path()), run_dir.path())
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         for family in ["v4", "v6"] {
             // Istio compares the file's trimmed content with "legacy" and "nft".
@@ -230,8 +231,7 @@ fn the_iptables_backend_names_its_variant_where_istio_reads_it() {
             );
         }
         // Uninstall takes ours away (nothing of ours left on the node) and leaves another's.
-        dataplane(name, &host, proc_dir.path())
-            .forget_iptables_variant(run_dir.path())
+        forget_iptables_variant(&dataplane(name, &host, proc_dir.path()), run_dir.path())
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         for family in ["v4", "v6"] {
             let left = read(run_dir.path(), family);
@@ -244,9 +244,11 @@ fn the_iptables_backend_names_its_variant_where_istio_reads_it() {
         }
     }
     // A run dir that cannot be written is an error naming the file.
-    let err = dataplane("iptables-nft", &host, proc_dir.path())
-        .record_iptables_variant(std::path::Path::new("/nonexistent/run"))
-        .unwrap_err();
+    let err = record_iptables_variant(
+        &dataplane("iptables-nft", &host, proc_dir.path()),
+        std::path::Path::new("/nonexistent/run"),
+    )
+    .unwrap_err();
     assert!(
         err.to_string()
             .contains("/nonexistent/run/detected-iptables-backend-v4"),

@@ -14,7 +14,7 @@ use dataplane::netns::Netns;
 use dataplane::nft::NftablesBackend;
 use dataplane::nft::generations::Generations;
 use dataplane::test_support::TestNetns;
-use dataplane::{BackendOptions, backend, pod};
+use dataplane::{BackendOptions, RuleBackend, pod};
 
 /// The system allocator, counting allocations: their number per operation is the part of its
 /// cost that machine load cannot blur, and on musl (the agent's static build) each one takes a
@@ -108,9 +108,8 @@ fn main() {
         Generations::in_memory(),
     )));
     let backends = ["iptables", "nftables"].map(|name| {
-        let b: Arc<dyn InpodRules> = backend(name, &BackendOptions::default())
-            .expect("backend")
-            .into();
+        let b: Arc<dyn InpodRules> =
+            Arc::new(RuleBackend::new(name, &BackendOptions::default()).expect("backend"));
         (name, b, false)
     });
     for (name, b, pooled) in
@@ -177,35 +176,27 @@ fn main() {
 /// verify and unenroll, in a pod holding only the backend in use's rules: no iptables tool
 /// runs then, only the cheap gates.
 fn leftover_check_cost(samples: usize) {
-    use dataplane::leftovers::{IptablesLeftovers, nft_in_pod};
+    use dataplane::leftovers::Previous;
     let cfg = InpodConfig::default();
-    let previous = IptablesLeftovers::find();
-    // An iptables node also looks for the other variant's rules, as the agent does.
-    let variant = dataplane::iptables::IptablesBackend::detect(None, true)
-        .expect("iptables")
-        .binaries()
-        .variant;
-    let other_variant = IptablesLeftovers::other_than(variant);
     let (mut on_nft, mut on_ipt) = (Vec::new(), Vec::new());
     let (mut allocs_nft, mut allocs_ipt) = (Vec::new(), Vec::new());
+    let mut other_variant = String::new();
     for (name, times, allocs) in [
         ("nftables", &mut on_nft, &mut allocs_nft),
         ("iptables", &mut on_ipt, &mut allocs_ipt),
     ] {
-        let b = backend(name, &BackendOptions::default()).expect("backend");
+        let b = RuleBackend::new(name, &BackendOptions::default()).expect("backend");
+        // As the agent's node dataplane looks: an iptables node also for the other variant.
+        let previous = Previous::of(&b);
+        if let Previous::NftablesAnd(other) = &previous {
+            other_variant = other.names();
+        }
         let ns = TestNetns::new("bench-left");
         let netns = ns.open();
-        pod::enroll(&netns, &cfg, b.as_ref()).expect("enroll");
+        pod::enroll(&netns, &cfg, &b).expect("enroll");
         for _ in 0..samples {
             let t = Instant::now();
-            let (found, n) = counted(|| {
-                if name == "nftables" {
-                    previous.in_pod(&netns).expect("iptables check")
-                } else {
-                    nft_in_pod(&netns).expect("nftables check")
-                        || other_variant.in_pod(&netns).expect("other variant check")
-                }
-            });
+            let (found, n) = counted(|| previous.in_pod(&netns).expect("previous backend check"));
             times.push(t.elapsed());
             allocs.push(n);
             assert!(!found, "{name} pod has no rules of the other backend");
@@ -219,7 +210,7 @@ fn leftover_check_cost(samples: usize) {
     );
     println!(
         "  iptables node (nftables read, {} gate) {}  {:>5} allocations",
-        other_variant.names(),
+        other_variant,
         stats(on_ipt),
         median(allocs_ipt)
     );

@@ -13,6 +13,7 @@ use cni_core::redirect::ambient::InpodConfig;
 use cni_core::redirect::ambient::nft::{INPOD_TABLES, NAT_TABLE};
 use cni_core::redirect::iptables::Family;
 
+use crate::backend::RuleBackend;
 use crate::host::{HostError, ProbeSet};
 use crate::inpod::{InpodRules, RuleError, RuleState};
 use crate::iptables::detect::{Binaries, parse_version};
@@ -162,6 +163,81 @@ impl IptablesLeftovers {
             }
         }
         Ok(found)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LeftoverError {
+    #[error(transparent)]
+    Nftables(#[from] NftError),
+    #[error(transparent)]
+    Rules(#[from] RuleError),
+    #[error(transparent)]
+    Host(#[from] HostError),
+}
+
+/// Every backend a node may have used before the one it uses now: with iptables, nftables and
+/// the other iptables variant; with nftables, iptables (either variant).
+pub enum Previous {
+    /// In use: iptables of a variant; here, the other variant's.
+    NftablesAnd(IptablesLeftovers),
+    /// In use: nftables.
+    Iptables(IptablesLeftovers),
+}
+
+impl Previous {
+    /// The backends `current` replaces.
+    pub fn of(current: &RuleBackend) -> Self {
+        match current {
+            RuleBackend::Iptables(b) => {
+                Previous::NftablesAnd(IptablesLeftovers::other_than(b.binaries().variant))
+            }
+            RuleBackend::Nftables(_) => Previous::Iptables(IptablesLeftovers::find()),
+        }
+    }
+
+    /// As logs name them.
+    pub fn names(&self) -> String {
+        match self {
+            Previous::NftablesAnd(other_variant) => {
+                format!("nftables, {}", other_variant.names())
+            }
+            Previous::Iptables(_) => "iptables".into(),
+        }
+    }
+
+    /// Whether the pod still holds rules of one of them.
+    pub fn in_pod(&self, netns: &Netns) -> Result<bool, LeftoverError> {
+        Ok(match self {
+            Previous::NftablesAnd(other_variant) => {
+                nft_in_pod(netns)? || other_variant.in_pod(netns)?
+            }
+            Previous::Iptables(previous) => previous.in_pod(netns)?,
+        })
+    }
+
+    /// Removes their rules from the pod; returns whether there were any.
+    pub fn clear_pod(&self, netns: &Netns) -> Result<bool, LeftoverError> {
+        Ok(match self {
+            Previous::NftablesAnd(other_variant) => {
+                // Both run: either may hold rules, whatever the other found.
+                let nft = clear_nft_pod(netns)?;
+                other_variant.clear_pod(netns)? || nft
+            }
+            Previous::Iptables(previous) => previous.clear_pod(netns)?,
+        })
+    }
+
+    /// Removes their host rules and probe sets; returns whether there were any. An iptables node
+    /// keeps the other variant's probe ipsets: its own rules refer to the same sets.
+    pub fn clear_host(&self, host: &Netns) -> Result<bool, LeftoverError> {
+        Ok(match self {
+            Previous::NftablesAnd(other_variant) => {
+                let nft = clear_nft_host(host)?;
+                other_variant.clear_host_chains(host)? || nft
+            }
+            Previous::Iptables(previous) => previous.clear_host(host)?,
+        })
     }
 }
 

@@ -13,6 +13,7 @@ use cni_core::redirect::sidecar::{
     INBOUND_TPROXY_MARK, InterceptionMode, SidecarConfig, TPROXY_ROUTE_TABLE, families,
 };
 
+use crate::backend::{BackendError, BackendOptions, RuleBackend};
 use crate::inpod::RuleState;
 use crate::iptables::{IptablesBackend, IptablesError};
 use crate::netns::Netns;
@@ -47,6 +48,16 @@ pub enum SidecarError {
     },
 }
 
+/// The backend's own errors, as sidecar errors always named them.
+impl From<BackendError> for SidecarError {
+    fn from(e: BackendError) -> Self {
+        match e {
+            BackendError::Unknown(name) => SidecarError::UnknownBackend(name),
+            BackendError::Iptables(e) => SidecarError::Iptables(e),
+        }
+    }
+}
+
 /// The rule backend sidecar redirection is programmed with.
 pub enum SidecarBackend {
     Iptables(IptablesBackend),
@@ -57,13 +68,14 @@ impl SidecarBackend {
     /// `iptables` (variant detected in the calling thread's namespace, which must be the host's;
     /// `force` is `FORCE_IPTABLES_BINARY`) or `nftables`.
     pub fn new(name: &str, force: Option<&str>, ipv6: bool) -> Result<Self, SidecarError> {
-        match name {
-            "iptables" => Ok(SidecarBackend::Iptables(IptablesBackend::detect(
-                force, ipv6,
-            )?)),
-            "nftables" => Ok(SidecarBackend::Nftables(NftablesBackend::new())),
-            other => Err(SidecarError::UnknownBackend(other.to_string())),
-        }
+        let opts = BackendOptions {
+            force_iptables: force.map(str::to_string),
+            ipv6,
+        };
+        Ok(match RuleBackend::new(name, &opts)? {
+            RuleBackend::Iptables(b) => SidecarBackend::Iptables(b),
+            RuleBackend::Nftables(b) => SidecarBackend::Nftables(b),
+        })
     }
 
     pub fn name(&self) -> &'static str {

@@ -5,11 +5,11 @@ use cni_core::redirect::ambient::InpodConfig;
 use dataplane::inpod::{InpodRules, RuleError, RuleState};
 use dataplane::netns::Netns;
 use dataplane::test_support::TestNetns;
-use dataplane::{BackendOptions, backend, pod};
+use dataplane::{BackendOptions, RuleBackend, pod};
 
 #[test]
 fn unknown_backend_is_refused() {
-    let Err(e) = backend("ebpf", &BackendOptions::default()) else {
+    let Err(e) = RuleBackend::new("ebpf", &BackendOptions::default()) else {
         panic!("accepted")
     };
     assert!(e.to_string().contains("ebpf"));
@@ -19,7 +19,7 @@ fn unknown_backend_is_refused() {
 fn enroll_verify_unenroll_each_backend() {
     dataplane::require_root!();
     for name in ["iptables", "nftables"] {
-        let b = backend(
+        let b = RuleBackend::new(
             name,
             &BackendOptions {
                 ipv6: true,
@@ -34,14 +34,14 @@ fn enroll_verify_unenroll_each_backend() {
             ..Default::default()
         };
         assert_eq!(
-            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+            pod::verify(&netns, &cfg, &b).unwrap(),
             RuleState::Absent,
             "{name}"
         );
-        pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
-        pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
+        pod::enroll(&netns, &cfg, &b).unwrap();
+        pod::enroll(&netns, &cfg, &b).unwrap();
         assert_eq!(
-            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+            pod::verify(&netns, &cfg, &b).unwrap(),
             RuleState::InSync,
             "{name}"
         );
@@ -49,12 +49,12 @@ fn enroll_verify_unenroll_each_backend() {
         // Drift after `ip <args>`, as the report names it; a re-enroll brings the pod back in sync.
         let drift_after = |args: &[&str]| -> String {
             ns.exec("ip", args);
-            let RuleState::Drifted(d) = pod::verify(&netns, &cfg, b.as_ref()).unwrap() else {
+            let RuleState::Drifted(d) = pod::verify(&netns, &cfg, &b).unwrap() else {
                 panic!("{name}")
             };
-            pod::enroll(&netns, &cfg, b.as_ref()).unwrap();
+            pod::enroll(&netns, &cfg, &b).unwrap();
             assert_eq!(
-                pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+                pod::verify(&netns, &cfg, &b).unwrap(),
                 RuleState::InSync,
                 "{name}"
             );
@@ -86,9 +86,9 @@ fn enroll_verify_unenroll_each_backend() {
         );
         assert!(!d.contains("::/0"), "{name}: {d}");
 
-        pod::unenroll(&netns, &cfg, b.as_ref()).unwrap();
+        pod::unenroll(&netns, &cfg, &b).unwrap();
         assert_eq!(
-            pod::verify(&netns, &cfg, b.as_ref()).unwrap(),
+            pod::verify(&netns, &cfg, &b).unwrap(),
             RuleState::Absent,
             "{name}"
         );

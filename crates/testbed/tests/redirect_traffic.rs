@@ -14,7 +14,7 @@ use cni_core::redirect::ambient::consts::{
 use dataplane::inpod::{InpodRules, RuleState};
 use dataplane::netns::Netns;
 use dataplane::test_support::TestNetns;
-use dataplane::{BackendOptions, backend, pod};
+use dataplane::{BackendOptions, RuleBackend, pod};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, socket};
 use std::os::fd::AsRawFd;
 use testbed::pod_proxy::{
@@ -250,8 +250,8 @@ fn no_residue(ns: &TestNetns) {
 fn scenario(backend_name: &str, fam: Family) {
     let t = topology();
     let (node, a, b) = (t.node.open(), t.a.open(), t.b.open());
-    let rules: Arc<dyn InpodRules> = Arc::from(
-        backend(
+    let rules: Arc<dyn InpodRules> = Arc::new(
+        RuleBackend::new(
             backend_name,
             &BackendOptions {
                 ipv6: fam.v6,
