@@ -3,16 +3,14 @@
 
 import_images() { # dir
   local images=$1
-  [ -x "$repo/scripts/node-images" ] || fail "--images needs scripts/node-images"
-  "$repo/scripts/node-images" import "$sock" "$images" >&2 || return_fail "importing images from $images failed"
+  import_runtime_images "$images" >&2 || return_fail "importing images from $images failed"
 }
-# The images into every node's containerd at once (one import per node, in parallel).
+# The images into every node's runtime at once (one import per node, in parallel).
 import_images_all() { # dir count
   local images=$1 count=$2 k pids=() failed=""
   [ "$count" = 1 ] && { import_images "$images"; return; }
-  [ -x "$repo/scripts/node-images" ] || fail "--images needs scripts/node-images"
   for k in $(seq "$count"); do
-    (select_node "$k"; "$repo/scripts/node-images" import "$sock" "$images" >"$logs/images.log" 2>&1) &
+    (select_node "$k"; import_runtime_images "$images" >"$logs/images.log" 2>&1) &
     pids+=($!)
   done
   for k in $(seq "$count"); do

@@ -19,6 +19,12 @@ start_containerd() {
 }
 wait_containerd() { wait_for containerd 30 ctr --address "$sock" version; }
 
+# The OCI archives <dir>/*.tar into the selected node's containerd (k8s.io namespace).
+import_runtime_images() { # dir
+  [ -x "$repo/scripts/node-images" ] || fail "--images needs scripts/node-images"
+  "$repo/scripts/node-images" import "$sock" "$1"
+}
+
 runtime_fs_setup() {
   # crun refuses a hybrid cgroup machine whose v2 hierarchy holds a controller (here hugetlb): the
   # node's view loses the v2 mount (its own mount namespace), so crun runs on v1 alone, as runc does.
