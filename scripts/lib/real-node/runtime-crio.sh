@@ -7,11 +7,13 @@
 # archives by Debian's skopeo. Sourced by runtime.sh.
 
 runtime_binary=runc
-runtime_tools="conmon $runtime_binary skopeo"
+# conmon and skopeo are Debian's, installed with the build (ensure_crio) when missing.
+runtime_tools=$runtime_binary
 runtime_component=crio
 runtime_layout() { sock="$node_dir/crio/crio.sock"; }
 
-# CRI-O's binaries (crio, pinns), built on first use: a cold build takes about 20 minutes.
+# CRI-O's binaries (crio, pinns), built on first use (a cold build takes about 20 minutes), and
+# the Debian packages the cell needs.
 crio_bin=""
 ensure_crio() {
   [ -n "$crio_bin" ] && return
