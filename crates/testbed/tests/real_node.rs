@@ -67,10 +67,82 @@ async fn wait_peer_has(node: &RealNode, uid: &str, present: bool) {
     .await
 }
 
-/// Pod network namespaces on the node (containerd's, under the node's own /run/netns).
+/// Pod network namespaces on the node, pinned under its own /run/netns (containerd's `cni-<id>`,
+/// CRI-O's `<id>`). CRI-O pins the node's own namespace there too, for each host-network pod:
+/// those are not counted.
 fn netns_count(node: &RealNode) -> usize {
-    let out = node.script(&["exec", "ls", "/run/netns"]);
-    out.lines().filter(|l| l.starts_with("cni-")).count()
+    let script = "host=$(stat -L -c %i /proc/1/ns/net); \
+                  for f in /run/netns/*; do \
+                    [ -e \"$f\" ] && [ \"$(stat -L -c %i \"$f\")\" != \"$host\" ] && echo \"$f\"; \
+                  done; true";
+    let out = node.script(&["exec", "sh", "-c", script]);
+    out.lines().count()
+}
+
+/// A sidecar pod whose `istio-validation` init container checks its redirection as Istio's does
+/// (its own listener on 15001, then a connection to a closed port on the gateway) and exits 126
+/// when unredirected: created before the agent, it crash-loops until repair fixes it.
+fn raced_sidecar_pod(name: &str) -> Value {
+    let validation = format!(
+        "nc -ll -p 15001 -e true & sleep 0.3; \
+         if nc -w 2 {GATEWAY} 9 </dev/null; then echo REDIRECTED; else echo DIRECT; exit 126; fi"
+    );
+    let mut p = sidecar_pod(name, GATEWAY);
+    p["spec"]["initContainers"] = json!([{
+        "name": "istio-validation",
+        "image": "localhost/istio-cni-rs/busybox:dev",
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", validation]
+    }]);
+    p
+}
+
+/// The node's container runtime (`REAL_NODE_RUNTIME` of `scripts/real-node env`).
+fn runtime(node: &RealNode) -> String {
+    let env = node.script(&["env"]);
+    env.lines()
+        .find_map(|l| l.strip_prefix("REAL_NODE_RUNTIME="))
+        .unwrap_or_else(|| panic!("scripts/real-node env names no REAL_NODE_RUNTIME:\n{env}"))
+        .to_string()
+}
+
+/// How many of the node's processes are in the pod namespace pinned under /run/netns that holds
+/// `ip`; `None` unless exactly one pinned namespace holds it.
+fn processes_in_pinned_netns(node: &RealNode, ip: &str) -> Option<usize> {
+    let script = format!(
+        "for f in /run/netns/*; do \
+           nsenter --net=\"$f\" ip -o -4 addr show | grep -q ' {ip}/' || continue; \
+           ino=$(stat -L -c %i \"$f\"); n=0; \
+           for p in /proc/[0-9]*; do \
+             [ \"$(stat -L -c %i $p/ns/net 2>/dev/null)\" = \"$ino\" ] && n=$((n + 1)); \
+           done; echo $n; \
+         done"
+    );
+    let out = node.script(&["exec", "sh", "-c", &script]);
+    match out.lines().collect::<Vec<_>>()[..] {
+        [n] => n.parse().ok(),
+        _ => None,
+    }
+}
+
+/// The pod's IP once its validation init container has failed with 126 at least once.
+async fn wait_validation_failed(node: &RealNode, ns: &str, name: &str) -> String {
+    node.eventually(
+        &format!("{ns}/{name}'s istio-validation failed"),
+        Duration::from_secs(120),
+        || async {
+            let p = get(node, ns, name).await?;
+            let st = p.status?;
+            let failed = st.init_container_statuses?.iter().any(|c| {
+                c.last_state
+                    .as_ref()
+                    .and_then(|s| s.terminated.as_ref())
+                    .is_some_and(|t| t.exit_code == 126)
+            });
+            if failed { st.pod_ip } else { None }
+        },
+    )
+    .await
 }
 
 async fn delete(node: &RealNode, ns: &str, name: &str) {
@@ -95,6 +167,21 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     let conflist = node.conflist();
     let before = node.read(&conflist).expect("the node's primary conflist");
     let netns_before = netns_count(&node);
+    // A sidecar pod that starts before the agent (no chain entry yet, so unredirected): its
+    // validation crash-loops until repair programs its redirection in place. With CRI-O's
+    // drop_infra_ctr no pause process holds its namespace between restarts, only the runtime's
+    // pin, so a repair that looks in /proc alone cannot find it (istio/istio#60478).
+    namespace(&node, "race", false).await;
+    let raced = create(&node, "race", raced_sidecar_pod("raced")).await;
+    let raced_ip = wait_validation_failed(&node, "race", "raced").await;
+    if runtime(&node) == "crio" {
+        node.eventually(
+            "race/raced's namespace held by its pin alone",
+            Duration::from_secs(60),
+            || async { (processes_in_pinned_netns(&node, &raced_ip) == Some(0)).then_some(()) },
+        )
+        .await;
+    }
     node.install_chart(&[]).await;
     let chained = node.read(&conflist).unwrap();
     assert!(chained.contains("\"type\": \"istio-cni\""), "{chained}");
@@ -137,6 +224,30 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
     let w = peer_workloads(&node);
     assert!(w.contains_key(&server) && w.contains_key(&client), "{w:?}");
     assert!(!w.contains_key(&plain), "{w:?}");
+
+    // The raced pod repaired in place: the same sandbox (UID and IP), its validation passed at
+    // its next restart, its app's outbound sent to 15001. kubelet's crash-loop backoff (up to
+    // 80 s by then) decides when that restart comes.
+    let repaired = node
+        .eventually(
+            "race/raced Running after repair",
+            Duration::from_secs(300),
+            || async { get(&node, "race", "raced").await.filter(running) },
+        )
+        .await;
+    assert_eq!(repaired.metadata.uid.as_deref(), Some(raced.as_str()));
+    assert_eq!(
+        repaired.status.and_then(|s| s.pod_ip).as_deref(),
+        Some(raced_ip.as_str())
+    );
+    assert_eq!(witness(&node, "race", "raced"), "REDIRECTED");
+    let agent = node.kubectl(&["-n", "istio-system", "logs", "ds/istio-cni-node"]);
+    assert!(
+        agent
+            .lines()
+            .any(|l| l.contains("broken pod repaired in place") && l.contains("race/raced")),
+        "{agent}"
+    );
 
     // An operator's one command from a workstation: the kubectl plugin finds the pod's node, the
     // agent there, and asks it (kubectl exec through the API server and kubelet).
@@ -211,6 +322,7 @@ async fn ambient_and_sidecar_pods_through_kubelet_then_uninstall_restores_the_no
         ("mesh", "client"),
         ("plain", "plain"),
         ("plain", "sidecar"),
+        ("race", "raced"),
     ]
     .into_iter()
     .chain(rewritten.iter().map(|n| ("mesh", n.as_str())))
