@@ -505,6 +505,8 @@ async fn start_ambient(
             proc_dir: cfg.proc_dir.clone(),
             host_prefix: cfg.host_prefix.clone(),
             host_netns: host_id,
+            // As repair's (repair::inplace): the chart's cniNetnsDir mount.
+            netns_dir: cfg.host_prefix.join("var/run/netns"),
         },
         metrics.clone(),
     ));

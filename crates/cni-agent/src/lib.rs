@@ -14,6 +14,7 @@ pub mod logging;
 pub mod logsock;
 pub mod metrics;
 pub mod netns_cache;
+pub mod pinned_netns;
 pub mod procfs;
 pub mod repair;
 pub mod uds;

@@ -4,22 +4,21 @@
 //! the pod's IPs, so a reused path or a stray process can never pair the pod with another pod's
 //! namespace.
 //!
-//! The pinned directory is the last resort for a sandbox no process lives in: CRI-O with
-//! `drop_infra_ctr=true` runs no pause process, so while the pod's only containers (its
-//! validation init container) crash-loop, /proc has nothing in the namespace, and a pod created
-//! while the agent was away has no hint either (istio/istio#60478; Istio's repair looks in /proc
-//! only).
+//! The pinned directory ([`crate::pinned_netns`]) is the last resort for a sandbox no process
+//! lives in: CRI-O with `drop_infra_ctr=true` runs no pause process, so while the pod's only
+//! containers (its validation init container) crash-loop, /proc has nothing in the namespace, and
+//! a pod created while the agent was away has no hint either (istio/istio#60478).
 
 use std::collections::HashMap;
-use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use cni_core::zds::WorkloadInfo;
 use dataplane::netns::{Netns, NetnsId};
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::ambient::hints::NetnsHints;
-use crate::procfs::{HostNetns, ProcScanner, WantedPod, addresses, addresses_contain_any};
+use crate::pinned_netns::{self, PinnedError};
+use crate::procfs::{HostNetns, ProcScanner, WantedPod};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FindError {
@@ -77,40 +76,15 @@ impl PodNetnsFinder {
                 return Ok(f.netns);
             }
             let ips = &wanted[&uid].ips;
-            pinned(&netns_dir, host, ips)?.ok_or(FindError::NotFound)
+            match pinned_netns::holding(&netns_dir, host, ips) {
+                Ok(found) => found.ok_or(FindError::NotFound),
+                Err(PinnedError::Ambiguous(paths)) => Err(FindError::Ambiguous(paths)),
+                Err(PinnedError::Read(dir, e)) => Err(FindError::Scan(dir, e)),
+            }
         })
         .await
         .map_err(|e| FindError::Scan(self.proc_dir.clone(), e.to_string()))?
     }
-}
-
-/// The one namespace pinned in `dir` that holds one of `ips` (several files may pin the same
-/// namespace). Entries that are not network namespaces, or whose addresses cannot be read, are
-/// skipped; two different namespaces holding the IPs are refused rather than guessed between.
-fn pinned(dir: &Path, host: NetnsId, ips: &[IpAddr]) -> Result<Option<Netns>, FindError> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(FindError::Scan(dir.to_path_buf(), e.to_string())),
-    };
-    let mut found: Option<(Netns, Vec<PathBuf>)> = None;
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let Ok(ns) = Netns::open(&path) else { continue };
-        if ns.id() == host || !addresses(&ns).is_ok_and(|a| addresses_contain_any(&a, ips)) {
-            continue;
-        }
-        match &mut found {
-            None => found = Some((ns, vec![path])),
-            Some((f, paths)) => {
-                paths.push(path);
-                if f.id() != ns.id() {
-                    return Err(FindError::Ambiguous(std::mem::take(paths)));
-                }
-            }
-        }
-    }
-    Ok(found.map(|(ns, _)| ns))
 }
 
 #[cfg(test)]
@@ -119,6 +93,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::pinned_netns::test_support::{Pin, pod_namespace};
 
     fn pod(uid: &str, ip: &str) -> Pod {
         serde_json::from_value(json!({
@@ -161,44 +136,6 @@ mod tests {
             finder.find(&pod("uid-2", "")).await,
             Err(FindError::NoIps)
         ));
-    }
-
-    /// A namespace pinned by a bind mount in a directory of our own, like the runtime's pin in
-    /// /var/run/netns; unmounted on drop (before the namespace's own pin goes).
-    struct Pin(std::path::PathBuf);
-
-    impl Pin {
-        fn new(ns: &TestNetns, dir: &std::path::Path, name: &str) -> Self {
-            let path = dir.join(name);
-            std::fs::write(&path, b"").unwrap();
-            dataplane::test_support::run(
-                "mount",
-                &[
-                    "--bind",
-                    &ns.path().display().to_string(),
-                    &path.display().to_string(),
-                ],
-            );
-            Pin(path)
-        }
-    }
-
-    impl Drop for Pin {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg(&self.0).status();
-        }
-    }
-
-    fn pod_namespace(prefix: &str, ip: &str) -> TestNetns {
-        let ns = TestNetns::new(prefix);
-        ns.exec(
-            "ip",
-            &[
-                "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
-            ],
-        );
-        ns.exec("ip", &["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
-        ns
     }
 
     /// CRI-O's `drop_infra_ctr=true` (istio/istio#60478): no process in the sandbox and no hint,

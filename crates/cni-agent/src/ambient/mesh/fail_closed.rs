@@ -47,6 +47,7 @@ fn bed() -> Bed {
         host_prefix: "/".into(),
         // Not the test's namespace, which stands for the pod's.
         host_netns: dataplane::netns::NetnsId { dev: 0, ino: 0 },
+        netns_dir: run_dir.path().join("pins"),
     };
     let metrics = Metrics::new(&mut prometheus_client::registry::Registry::default());
     Bed {

@@ -109,6 +109,9 @@ pub struct Mesh {
     pub host_prefix: std::path::PathBuf,
     /// The host's namespace: never a pod's, whatever /proc says.
     pub host_netns: dataplane::netns::NetnsId,
+    /// Where the runtime pins pod namespaces (`<host_prefix>/var/run/netns`): searched for the
+    /// pods /proc does not show (see [`crate::pinned_netns`]).
+    pub netns_dir: std::path::PathBuf,
     pub hints: crate::ambient::hints::NetnsHints,
     pub metrics: Metrics,
     /// One operation per pod at a time (see [`PodLocks`]).
@@ -132,6 +135,8 @@ pub struct NodeContext {
     pub host_prefix: std::path::PathBuf,
     /// The host's namespace: never a pod's, whatever /proc says.
     pub host_netns: dataplane::netns::NetnsId,
+    /// Where the runtime pins pod namespaces, as the agent sees it.
+    pub netns_dir: std::path::PathBuf,
 }
 
 impl Mesh {
@@ -150,6 +155,7 @@ impl Mesh {
             proc_dir,
             host_prefix,
             host_netns,
+            netns_dir,
         } = node;
         Mesh {
             cache,
@@ -161,6 +167,7 @@ impl Mesh {
             proc_dir,
             host_prefix,
             host_netns,
+            netns_dir,
             hints,
             metrics,
             locks: PodLocks::default(),
@@ -340,18 +347,38 @@ impl Mesh {
     }
 
     /// Finds the namespaces of running pods under /proc (after an agent restart, or for pods that
-    /// were enrolled by a namespace label rather than by their CNI ADD).
+    /// were enrolled by a namespace label rather than by their CNI ADD), then those of the rest
+    /// among the runtime's pins: a sandbox with no process in it (CRI-O's `drop_infra_ctr`, all
+    /// of the pod's containers down) is found there only.
     pub async fn discover(
         &self,
         wanted: HashMap<String, WantedPod>,
     ) -> Result<HashMap<String, Netns>, String> {
         let (proc_dir, host) = (self.proc_dir.clone(), self.host_netns);
+        let netns_dir = self.netns_dir.clone();
         tokio::task::spawn_blocking(move || {
             let scanner = ProcScanner::with_host(&proc_dir, host);
-            let found = scanner
+            let mut found: HashMap<String, Netns> = scanner
                 .find(&HostNetns, &wanted)
-                .map_err(|e| e.to_string())?;
-            Ok(found.into_iter().map(|(uid, f)| (uid, f.netns)).collect())
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .map(|(uid, f)| (uid, f.netns))
+                .collect();
+            for (uid, pod) in &wanted {
+                if found.contains_key(uid) {
+                    continue;
+                }
+                match crate::pinned_netns::holding(&netns_dir, host, &pod.ips) {
+                    Ok(Some(ns)) => {
+                        found.insert(uid.clone(), ns);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(%uid, error = %e, "pod namespace not taken from the pins")
+                    }
+                }
+            }
+            Ok(found)
         })
         .await
         .map_err(|e| e.to_string())?
@@ -415,6 +442,47 @@ fn ns_name(pod: &CachedPod) -> (&str, &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ambient::hints::NetnsHints;
+    use crate::pinned_netns::test_support::{Pin, pod_namespace};
+
+    /// CRI-O's `drop_infra_ctr` (istio/istio#60478): a pod whose containers are all down has no
+    /// process in its namespace, and after an upgrade the agent has no hint for it either.
+    /// Discovery finds it among the runtime's pins by its IP; a pod whose IP no pin holds stays
+    /// unfound.
+    #[tokio::test]
+    async fn discovery_finds_a_sandbox_without_a_process_among_the_pins() {
+        dataplane::require_root!();
+        let pod_ns = pod_namespace("mesh-pin", "10.251.5.7");
+        let pins = tempfile::tempdir().unwrap();
+        let _pin = Pin::new(&pod_ns, pins.path(), "sandbox");
+        let (run_dir, empty_proc) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let fakes = super::fakes::Fakes::new();
+        let node = NodeContext {
+            cache: Arc::new(NetnsCache::new("/")),
+            hints: NetnsHints::new(run_dir.path()),
+            global: InpodConfig::default(),
+            proc_dir: empty_proc.path().to_path_buf(),
+            host_prefix: "/".into(),
+            host_netns: Netns::current().unwrap().id(),
+            netns_dir: pins.path().to_path_buf(),
+        };
+        let metrics = Metrics::new(&mut prometheus_client::registry::Registry::default());
+        let mesh = Mesh::new(fakes.seams(), node, metrics);
+        let wanted = |uid: &str, ip: &str| {
+            let workload = WorkloadInfo::new("p", "apps", "sa");
+            let ips = vec![ip.parse().unwrap()];
+            (uid.to_string(), WantedPod { workload, ips })
+        };
+        let found = mesh
+            .discover(HashMap::from([
+                wanted("uid-1", "10.251.5.7"),
+                wanted("uid-2", "10.251.5.8"),
+            ]))
+            .await
+            .unwrap();
+        assert_eq!(found.keys().collect::<Vec<_>>(), ["uid-1"]);
+        assert_eq!(found["uid-1"].id(), pod_ns.open().id());
+    }
 
     #[test]
     fn a_finished_pod_is_finished_until_deleted_or_added_again() {
