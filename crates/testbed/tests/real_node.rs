@@ -499,9 +499,14 @@ async fn upgrade_restarts_and_reboot_never_start_an_ambient_pod_unredirected() {
     );
     assert_eq!(witness(&node, "mesh", "steady"), "REDIRECTED");
 
-    // kubelet and containerd restarts: running pods stay as they are, new pods still start
-    // through the chain.
-    for component in ["kubelet", "containerd"] {
+    // kubelet and runtime (containerd, or CRI-O in its cell) restarts: running pods stay as
+    // they are, new pods still start through the chain.
+    let runtime_component = if runtime(&node) == "crio" {
+        "crio"
+    } else {
+        "containerd"
+    };
+    for component in ["kubelet", runtime_component] {
         node.restart(component).await;
         let name = format!("after-{component}");
         create(&node, "mesh", pod(&name, "sleep 3600")).await;
