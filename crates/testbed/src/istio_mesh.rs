@@ -121,7 +121,7 @@ impl Mesh {
     pub async fn bare(ztunnel: bool) -> Mesh {
         let node = RealNode::up().await;
         let watchdog = down_when_this_process_exits(node.dir());
-        let sock = node.dir().join("containerd/containerd.sock");
+        let sock = node.node(1).env().path("REAL_NODE_CONTAINERD_SOCK");
         let images = mesh_images_dir();
         let out = blocking(move || {
             Command::new(repo().join("scripts/node-images"))

@@ -127,6 +127,43 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// What `scripts/real-node env` prints for one node (`REAL_NODE_*=value` lines): the test bed's
+/// only source for the script's layout (where the node's files, logs, certificates and cgroups
+/// are, its name and addresses). A node that is not running has one too.
+#[derive(Clone, Debug)]
+pub struct NodeEnv(std::collections::BTreeMap<String, String>);
+
+impl NodeEnv {
+    /// Node `k`'s (1 is `real-node`) of the cluster in `dir`.
+    pub fn read(dir: &Path, k: usize) -> Self {
+        let k = k.to_string();
+        let out = run_script(dir, &["--node", &k, "env"], &[]);
+        assert!(
+            out.status.success(),
+            "scripts/real-node --node {k} env failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let vars = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        NodeEnv(vars)
+    }
+
+    /// The value of `name` (`REAL_NODE_...`); panics naming it if `env` printed none.
+    pub fn get(&self, name: &str) -> &str {
+        self.0
+            .get(name)
+            .unwrap_or_else(|| panic!("scripts/real-node env printed no {name}: {:?}", self.0))
+    }
+
+    /// [`NodeEnv::get`] as a path.
+    pub fn path(&self, name: &str) -> PathBuf {
+        PathBuf::from(self.get(name))
+    }
+}
+
 pub struct RealNode {
     dir: tempfile::TempDir,
     images: PathBuf,
@@ -140,6 +177,8 @@ pub struct RealNode {
     pub server: String,
     client: OnceLock<kube::Client>,
     forwarder: tokio::task::JoinHandle<()>,
+    /// Every node's `scripts/real-node env`, node 1 first, read after the first start.
+    envs: OnceLock<Vec<NodeEnv>>,
 }
 
 /// The node's images: `$REAL_NODE_IMAGES` if set (a directory of OCI archives), else built once per
@@ -227,13 +266,14 @@ impl RealNode {
             server,
             client: OnceLock::new(),
             forwarder,
+            envs: OnceLock::new(),
         };
         node.start().await;
         node
     }
 
-    /// The node's directory (logs under `logs/`, the CNI config under `overlay/etc/upper/cni`;
-    /// worker K's under `node-K/`).
+    /// The cluster's directory (`REAL_NODE_DIR`): what the test gives `scripts/real-node`; where
+    /// each node keeps what is in it, `scripts/real-node env` says ([`Node::env`]).
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }
@@ -341,11 +381,7 @@ impl RealNode {
     /// [`CONFLIST`] for the default bridge, another file for another primary
     /// (`REAL_NODE_PRIMARY`, a cell of `scripts/matrix`).
     pub fn conflist(&self) -> String {
-        let env = self.script(&["env"]);
-        env.lines()
-            .find_map(|l| l.strip_prefix("REAL_NODE_CONFLIST="))
-            .unwrap_or_else(|| panic!("scripts/real-node env names no REAL_NODE_CONFLIST:\n{env}"))
-            .to_string()
+        self.node(1).env().get("REAL_NODE_CONFLIST").to_string()
     }
 
     /// Processes of node 1's pods ([`Node::pod_processes`]).
@@ -393,8 +429,12 @@ impl RealNode {
             "scripts/real-node up failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let pid = std::fs::read_to_string(self.dir.path().join("run/holder.pid")).unwrap();
-        let ns = Netns::open(format!("/proc/{}/ns/net", pid.trim())).expect("node netns");
+        self.envs.get_or_init(|| {
+            (1..=self.nodes)
+                .map(|k| NodeEnv::read(self.dir.path(), k))
+                .collect()
+        });
+        let ns = Netns::open(format!("/proc/{}/ns/net", self.holder_pid())).expect("node netns");
         *self.netns.lock().unwrap() = Some(ns);
     }
 
@@ -415,15 +455,16 @@ impl RealNode {
         self.client
             .get_or_init(|| {
                 use base64::Engine;
+                let env = self.node(1).env();
                 let b64 = |name: &str| {
                     base64::engine::general_purpose::STANDARD
-                        .encode(std::fs::read(self.dir.path().join("pki").join(name)).unwrap())
+                        .encode(std::fs::read(env.path(name)).unwrap())
                 };
                 let mut cfg = kube::Config::new(self.server.parse().unwrap());
-                let ca = std::fs::read(self.dir.path().join("pki/ca.crt")).unwrap();
+                let ca = std::fs::read(env.path("REAL_NODE_CA")).unwrap();
                 cfg.root_cert = Some(vec![super::kube::pem_to_der(&ca)]);
-                cfg.auth_info.client_certificate_data = Some(b64("admin.crt"));
-                cfg.auth_info.client_key_data = Some(b64("admin.key").into());
+                cfg.auth_info.client_certificate_data = Some(b64("REAL_NODE_ADMIN_CERT"));
+                cfg.auth_info.client_key_data = Some(b64("REAL_NODE_ADMIN_KEY").into());
                 cfg.default_namespace = "default".into();
                 kube::Client::try_from(cfg).expect("admin client")
             })
@@ -450,12 +491,12 @@ impl RealNode {
             let netns = netns.clone();
             Box::pin(async move { connect_inside(&netns).await })
         });
-        let pki = self.dir.path().join("pki");
-        let ca = std::fs::read(pki.join("ca.crt")).expect("the node's CA");
+        let env = self.node(1).env();
+        let ca = std::fs::read(env.path("REAL_NODE_CA")).expect("the node's CA");
         ApiProxy::serve(
             listener,
-            &pki.join("apiserver.crt"),
-            &pki.join("apiserver.key"),
+            &env.path("REAL_NODE_APISERVER_CERT"),
+            &env.path("REAL_NODE_APISERVER_KEY"),
             &ca,
             API_SERVER.0.into(),
             connect,
@@ -571,30 +612,30 @@ impl<'a> Node<'a> {
         self.k
     }
 
-    /// The node's name in the cluster (its [`HOSTNAME_LABEL`]).
+    /// The node's `scripts/real-node env` (read once the cluster first started).
+    pub fn env(&self) -> &'a NodeEnv {
+        let envs = self.real.envs.get().expect("the cluster has started");
+        &envs[self.k - 1]
+    }
+
+    /// The node's name in the cluster (its [`HOSTNAME_LABEL`]): `real-node`, `real-node-K`.
     pub fn name(&self) -> String {
-        match self.k {
-            1 => NODE_NAME.to_string(),
-            k => format!("{NODE_NAME}-{k}"),
-        }
+        self.env().get("REAL_NODE_NAME").to_string()
     }
 
     /// The node IP: 10.240.0.(9+K).
     pub fn ip(&self) -> String {
-        format!("10.240.0.{}", 9 + self.k)
+        self.env().get("REAL_NODE_IP").to_string()
     }
 
     /// The node's pod CIDR: 10.244.(K-1).0/24.
     pub fn pod_cidr(&self) -> String {
-        format!("10.244.{}.0/24", self.k - 1)
+        self.env().get("REAL_NODE_POD_CIDR").to_string()
     }
 
-    /// The node's directory: the cluster's for node 1, `node-K/` in it for the others.
-    pub fn dir(&self) -> PathBuf {
-        match self.k {
-            1 => self.real.dir().to_path_buf(),
-            k => self.real.dir().join(format!("node-{k}")),
-        }
+    /// Where kubelet writes the node's container logs (the node's `/var/log/pods`).
+    pub fn pod_logs_dir(&self) -> PathBuf {
+        self.env().path("REAL_NODE_POD_LOGS")
     }
 
     /// `args` for `scripts/real-node` on this node (`--node K` first, but for node 1).
@@ -654,8 +695,8 @@ impl<'a> Node<'a> {
     pub fn log_tails(&self, components: &[&str]) -> String {
         let mut s = String::new();
         for c in components {
-            let text = std::fs::read_to_string(self.dir().join(format!("logs/{c}.log")))
-                .unwrap_or_default();
+            let logs = self.env().path("REAL_NODE_LOGS");
+            let text = std::fs::read_to_string(logs.join(format!("{c}.log"))).unwrap_or_default();
             let lines: Vec<_> = text.lines().collect();
             s += &format!("--- {} {c}.log (last 15 lines)\n", self.name());
             for l in &lines[lines.len().saturating_sub(15)..] {
@@ -668,8 +709,9 @@ impl<'a> Node<'a> {
 
     /// The node's init (its namespaces' holder) as the machine sees it.
     pub fn holder_pid(&self) -> u32 {
-        let pid = std::fs::read_to_string(self.dir().join("run/holder.pid"))
-            .expect("the node is running (run/holder.pid)");
+        let file = self.env().path("REAL_NODE_HOLDER_PID_FILE");
+        let pid = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("the node is running ({}: {e})", file.display()));
         pid.trim().parse().expect("holder.pid holds a pid")
     }
 
@@ -685,14 +727,8 @@ impl<'a> Node<'a> {
     }
 
     /// The parent of every pod cgroup of this node (`cgroupRoot` of its kubelet).
-    fn cgroup_root(&self) -> String {
-        let cfg = std::fs::read_to_string(self.dir().join("kubelet/config.yaml"))
-            .expect("the node's kubelet config");
-        cfg.lines()
-            .find_map(|l| l.strip_prefix("cgroupRoot:"))
-            .expect("cgroupRoot in the kubelet config")
-            .trim()
-            .to_string()
+    fn cgroup_root(&self) -> &'a str {
+        self.env().get("REAL_NODE_CGROUP_ROOT")
     }
 
     /// Processes of this node's pods (by their cgroups, so another node's never match) whose
@@ -733,8 +769,8 @@ impl<'a> Node<'a> {
         container: &str,
     ) -> Vec<String> {
         let dir = self
-            .dir()
-            .join(format!("var-log/pods/{ns}_{name}_{uid}/{container}"));
+            .pod_logs_dir()
+            .join(format!("{ns}_{name}_{uid}/{container}"));
         let mut runs: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
             .into_iter()
             .flatten()

@@ -19,9 +19,9 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use testbed::churn::conflist::Rewriter;
 use testbed::real_node::{
-    CHART, GATEWAY, NODE_NAME, REDIRECTION, RealNode, VALUES, ZTUNNEL, annotation, busybox_pod,
-    create, get, label_namespace, processes_under, running, sidecar_pod, wait_redirection,
-    wait_running, witness, witness_pod as pod,
+    CHART, GATEWAY, NODE_NAME, NodeEnv, REDIRECTION, RealNode, VALUES, ZTUNNEL, annotation,
+    busybox_pod, create, get, label_namespace, processes_under, running, sidecar_pod,
+    wait_redirection, wait_running, witness, witness_pod as pod,
 };
 
 /// One node at a time: a node is several hundred MB of processes and most of a core to start.
@@ -764,7 +764,8 @@ async fn missing_tool_is_named_and_nothing_starts() {
         err.contains("missing tools") && err.contains(&bridge),
         "{err}"
     );
-    assert!(!dir.path().join("run/holder.pid").exists());
+    let env = NodeEnv::read(dir.path(), 1);
+    assert!(!env.path("REAL_NODE_HOLDER_PID_FILE").exists());
     assert!(processes_under(dir.path()).is_empty());
 }
 
@@ -803,8 +804,10 @@ async fn failed_component_start_names_it_and_tears_down_the_rest() {
         "{:?}",
         processes_under(dir.path())
     );
-    assert!(!dir.path().join("run").exists());
-    let logs = std::fs::read_to_string(dir.path().join("logs/kube-apiserver.log")).unwrap();
+    let env = NodeEnv::read(dir.path(), 1);
+    assert!(!env.path("REAL_NODE_RUN").exists());
+    let logs =
+        std::fs::read_to_string(env.path("REAL_NODE_LOGS").join("kube-apiserver.log")).unwrap();
     assert!(!logs.is_empty(), "the API server ran before containerd");
 }
 

@@ -2,6 +2,9 @@
 # What describes the node to its users: `env` (the test bed's contract) and `versions`. Sourced by
 # scripts/real-node.
 
+# The test bed (crates/testbed/src/real_node.rs) learns the node's layout from these lines only:
+# where its files, logs, certificates and cgroups are, its name and addresses. Node K's with
+# `--node K`; a node that is not running has them too (REAL_NODE_PID is then empty).
 cmd_env() {
   ensure_bins
   cat <<EOF
@@ -22,6 +25,17 @@ REAL_NODE_PRIMARY=$primary
 REAL_NODE_RUNTIME=$runtime
 REAL_NODE_K8S=$k8s
 REAL_NODE_CONFLIST=$primary_conflist
+REAL_NODE_NODE_DIR=$node_dir
+REAL_NODE_RUN=$run
+REAL_NODE_HOLDER_PID_FILE=$run/holder.pid
+REAL_NODE_LOGS=$logs
+REAL_NODE_POD_LOGS=$node_dir/var-log/pods
+REAL_NODE_CGROUP_ROOT=$cgroup_root
+REAL_NODE_CA=$pki/ca.crt
+REAL_NODE_ADMIN_CERT=$pki/admin.crt
+REAL_NODE_ADMIN_KEY=$pki/admin.key
+REAL_NODE_APISERVER_CERT=$pki/apiserver.crt
+REAL_NODE_APISERVER_KEY=$pki/apiserver.key
 EOF
 }
 

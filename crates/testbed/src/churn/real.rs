@@ -259,7 +259,7 @@ impl RealChurnNode {
 
     /// The last lines of the agent's container logs (every run), for violation reports.
     pub fn agent_log(&self) -> String {
-        let dir = self.node.dir().join("var-log/pods");
+        let dir = self.node.node(1).pod_logs_dir();
         let mut text = String::new();
         for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
