@@ -24,7 +24,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use testbed::istio_mesh::{DATAPLANE_MODE, Mesh, SYSTEM_NAMESPACE, sample};
 use testbed::real_node::{
-    PEER, REDIRECTION, RealNode, annotation, busybox_pod, create, get, label_namespace,
+    NodeEnv, PEER, REDIRECTION, RealNode, annotation, busybox_pod, create, get, label_namespace,
     processes_under, running, wait_redirection, wait_running, witness, witness_pod,
 };
 
@@ -511,7 +511,8 @@ fn mesh_up_names_what_failed_and_leaves_nothing_running() {
             && err.contains("building the images failed"),
         "{err}"
     );
-    assert!(!dir.path().join("run/holder.pid").exists());
+    let node_env = NodeEnv::read(dir.path(), 1);
+    assert!(!node_env.path("REAL_NODE_HOLDER_PID_FILE").exists());
     assert!(processes_under(dir.path()).is_empty());
 
     // busybox as istiod: the container starts and exits at once ("applet not found").
