@@ -412,7 +412,7 @@ async fn start_ambient(
     spawn_watches(
         setup.client.clone(),
         &cfg.node_name,
-        cfg.selectors.namespace_keys(),
+        &cfg.selectors,
         cluster.clone(),
         tx.clone(),
         readiness.condition(WATCHES),

@@ -263,6 +263,17 @@ impl CompiledSelectors {
                 .collect(),
         )
     }
+
+    /// The pod labels [`Self::matches`] reads: a pod kept with only these is judged as with all
+    /// of its labels.
+    pub fn pod_keys(&self) -> LabelKeys {
+        LabelKeys(
+            self.pairs
+                .iter()
+                .flat_map(|(p, _)| p.requirements.iter().map(|r| r.key().to_owned()))
+                .collect(),
+        )
+    }
 }
 
 /// The label keys something reads, to keep an object's labels to those.
@@ -428,6 +439,75 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(custom.matches(&pod, &kept), custom.matches(&pod, &with_all));
+    }
+
+    #[test]
+    fn pod_keys_are_the_labels_pod_selectors_read() {
+        let sel = CompiledSelectors::compile(&default_selectors()).unwrap();
+        let all = labels(&[(DATAPLANE_MODE_LABEL, "none"), ("app", "web")]);
+        assert_eq!(sel.pod_keys().retain(all), labels(NONE));
+        // Namespace selectors' keys are not pod keys; every operator names its key.
+        let custom = CompiledSelectors::compile(&[EnablementSelector {
+            pod_selector: LabelSelector {
+                match_labels: labels(&[("app", "web")]),
+                match_expressions: ["In", "NotIn", "Exists", "DoesNotExist"]
+                    .iter()
+                    .map(|op| LabelSelectorRequirement {
+                        key: format!("k-{op}"),
+                        operator: (*op).into(),
+                        values: if op.ends_with("In") {
+                            vec!["v".into()]
+                        } else {
+                            vec![]
+                        },
+                    })
+                    .collect(),
+            },
+            namespace_selector: LabelSelector {
+                match_labels: labels(&[("team", "a")]),
+                ..Default::default()
+            },
+        }])
+        .unwrap();
+        let ns = labels(&[("team", "a")]);
+        for pod_labels in [
+            labels(&[
+                ("app", "web"),
+                ("k-In", "v"),
+                ("k-NotIn", "x"),
+                ("k-Exists", ""),
+            ]),
+            labels(&[
+                ("app", "web"),
+                ("k-In", "v"),
+                ("k-Exists", ""),
+                ("k-DoesNotExist", ""),
+            ]),
+            labels(&[
+                ("app", "web"),
+                ("k-In", "v"),
+                ("k-Exists", ""),
+                ("team", "a"),
+                ("o", "o"),
+            ]),
+        ] {
+            let kept = custom.pod_keys().retain(pod_labels.clone());
+            assert!(
+                kept.keys().all(|k| k == "app" || k.starts_with("k-")),
+                "{kept:?}"
+            );
+            let (whole, trimmed) = (
+                PodView {
+                    labels: pod_labels,
+                    ..Default::default()
+                },
+                PodView {
+                    labels: kept,
+                    ..Default::default()
+                },
+            );
+            assert_eq!(custom.matches(&trimmed, &ns), custom.matches(&whole, &ns));
+        }
     }
 
     #[test]

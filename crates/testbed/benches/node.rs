@@ -14,6 +14,10 @@
 //! and plugin too, alternating with ours for `BENCH_ROUNDS` rounds (default 3), each round on a
 //! fresh node and API server, and the table has a column per agent (the median over the rounds)
 //! and their ratio. `scripts/bench-node --against-istio` does that.
+//!
+//! With `BENCH_FILL=<namespaces>:<pods>` each round's API server is first filled to that size
+//! (namespaces, and pods bound to absent nodes, as `benches/scale.rs` fills it): the ADDs and
+//! their floors (the bench's own `pods/status` patches) measured in a cluster that large.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +25,7 @@ use futures::future::join_all;
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
 
+use testbed::cluster_fill;
 use testbed::cpu_profile;
 use testbed::kube::KubeTestEnv;
 use testbed::node::{Agent, Backend, NodeOptions, TestNode, TestPod, plugin_binary};
@@ -186,6 +191,23 @@ impl CpuSplit {
     }
 }
 
+/// `BENCH_FILL`: namespaces and other nodes' pods to fill the cluster with first.
+fn fill() -> Option<(usize, usize)> {
+    let spec = std::env::var("BENCH_FILL").ok()?;
+    let parse = |v: &str| {
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("BENCH_FILL: {v:?} in {spec:?} is not a number"))
+    };
+    let (namespaces, pods) = spec
+        .split_once(':')
+        .unwrap_or_else(|| panic!("BENCH_FILL: {spec:?} is not namespaces:pods"));
+    Some((parse(namespaces), parse(pods)))
+}
+
+/// Nodes the fill's pods are bound to (none exists), as in the scale bench.
+const FILL_NODES: usize = 500;
+
 /// The whole bench on a fresh node running `agent`.
 async fn run(agent: Agent) -> Figures {
     let istio = matches!(agent, Agent::Istio(_));
@@ -194,6 +216,20 @@ async fn run(agent: Agent) -> Figures {
         ..NodeOptions::default()
     };
     let mut node = TestNode::start_on(KubeTestEnv::start().await, Backend::Nftables, options).await;
+    if let Some((namespaces, pods)) = fill() {
+        let (admin, started) = (node.kube.client(), Instant::now());
+        cluster_fill::namespaces(&admin, 0, namespaces)
+            .await
+            .expect("fill namespaces");
+        cluster_fill::pods_on_nodes(&admin, 0, pods, namespaces, "elsewhere", FILL_NODES)
+            .await
+            .expect("fill pods");
+        eprintln!(
+            "bench: filled {namespaces} namespaces and {pods} pods on other nodes in {:.0}s (load {})",
+            started.elapsed().as_secs_f64(),
+            load()
+        );
+    }
     let mut cfg = PeerConfig::new(node.path("zt/ztunnel.sock"));
     cfg.max_backoff = Duration::from_millis(50);
     let peer = ZdsPeer::start(cfg);
@@ -587,6 +623,11 @@ async fn main() {
         }
     }
     eprintln!("done (load {})", load());
+    if let Some((namespaces, pods)) = fill() {
+        println!(
+            "cluster filled first: {namespaces} namespaces, {pods} pods on {FILL_NODES} other nodes"
+        );
+    }
 
     println!("our plugin: {}", plugin_binary().display());
     if let Some(bin) = &istio_bin {

@@ -14,10 +14,14 @@
 //!   clients watch namespaces too), and its own CPU and RSS;
 //! - at the largest size, a kill -9 of the API server and its restart: the LISTs each agent
 //!   makes of the new server (one per watch is the floor; more is a relist storm);
-//! - at the largest size, the API server's side of N agents (1, 10, 50): our agent's pod and
-//!   namespace watches (`cni_agent::ambient::cluster::spawn_watches`, as the agent starts them)
-//!   run in this process, each with its own client and node name, no network namespace; what
-//!   the server sends and spends for them idle and under churn, and after its restart.
+//! - at the largest size, the API server's side of N agents (1, 10, 50): with `ISTIO_BIN`,
+//!   Istio's agent first, N processes each on a node of its own with no pod
+//!   ([`testbed::istio_agent::WatchSide`]: its own network namespace, dirs and node name), killed
+//!   before ours; then our agent's pod and namespace watches
+//!   (`cni_agent::ambient::cluster::spawn_watches`, as the agent starts them) run in this
+//!   process, each with its own client and node name, no network namespace; what the server
+//!   sends and spends (its CPU-seconds from /proc) for them idle and under churn, and after its
+//!   restart.
 //!
 //! CPU-seconds, RSS, request counts and bytes do not depend on the machine's load; the start-up
 //! time does (it is wall-clock, on two CPUs shared with the API server and anything else).
@@ -442,9 +446,7 @@ impl Bench {
         let path = dir.path().join("kubeconfig");
         let env = &self.node.kube;
         env.write_kubeconfig(&path, env.admin_token());
-        let keys = CompiledSelectors::compile(&default_selectors())
-            .unwrap()
-            .namespace_keys();
+        let selectors = CompiledSelectors::compile(&default_selectors()).unwrap();
         let mut synced = Vec::new();
         for i in from..to {
             let kubeconfig = kube::config::Kubeconfig::read_from(&path).unwrap();
@@ -455,7 +457,7 @@ impl Bench {
             spawn_watches(
                 kube::Client::try_from(cfg).unwrap(),
                 &format!("watch-only-{i}"),
-                keys.clone(),
+                &selectors,
                 Arc::new(Cluster::default()),
                 tx,
                 cni_agent::http::Readiness::new().condition("watches"),
@@ -613,11 +615,17 @@ async fn main() {
         "the same with no agent (the server's own clients): {}",
         restart_baseline
     );
-    watch_side_agents(&mut bench).await;
+    let istio = agents.iter().find_map(|a| match a {
+        Agent::Istio(bin) => Some(bin.clone()),
+        Agent::Ours => None,
+    });
+    watch_side_agents(&mut bench, istio.as_deref()).await;
 }
 
-/// The API server's side of N agents at the largest size (see the module's comment).
-async fn watch_side_agents(bench: &mut Bench) {
+/// The API server's side of N agents at the largest size (see the module's comment): Istio's
+/// first (processes, killed before ours start), then ours (tasks of this process, running until
+/// it ends).
+async fn watch_side_agents(bench: &mut Bench, istio: Option<&std::path::Path>) {
     let counts = agent_counts();
     if counts.is_empty() {
         return;
@@ -626,14 +634,31 @@ async fn watch_side_agents(bench: &mut Bench) {
     let baseline = bench.baseline().await;
     println!();
     println!(
-        "watch-side agents (our pod and namespace watches, each its own client and node name), {} namespaces, {} other pods; per minute, less the same window with none",
-        bench.namespaces, bench.pods
+        "watch-side agents, {} namespaces, {} other pods; per minute, less the same window with none (whose kube-apiserver + etcd CPU was {:.0} / {:.0} ms/min idle / churn)",
+        bench.namespaces,
+        bench.pods,
+        per_minute(baseline.0.server_cpu_ms, w),
+        per_minute(baseline.1.server_cpu_ms, w),
+    );
+    println!(
+        "ours: the agent's pod and namespace watches in this process, each its own client and node name; Istio's: its install-cni, each on a node of its own (netns, dirs, node name) with no pod"
     );
     println!();
     println!(
-        "| agents | start-up LISTs, MiB listed | requests/min idle / churn | watch MiB/min idle / churn | kube-apiserver + etcd CPU, ms/min idle / churn | kube-apiserver RSS |"
+        "| agents | whose | start-up LISTs, MiB listed, MiB over watches | requests/min idle / churn | watch MiB/min idle / churn | kube-apiserver + etcd CPU, ms/min idle / churn (less none) | kube-apiserver RSS | agent RSS, each |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
+    if let Some(bin) = istio {
+        // A failing setup of Istio's agents ends their part, not the bench.
+        if let Err(e) = istio_watch_side(bench, bin, &counts, baseline).await {
+            println!(
+                "| | Istio's | failed: {} | | | | | |",
+                e.lines().next().unwrap_or_default()
+            );
+            eprintln!("bench: Istio's watch-side agents failed: {e}");
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
     let mut running = 0;
     for n in counts {
         let before = bench.scrape().await;
@@ -641,26 +666,104 @@ async fn watch_side_agents(bench: &mut Bench) {
         running = n;
         let startup = ApiCost::between(&before, &bench.scrape().await, None);
         let ((idle, _), (churn, _)) = bench.windows().await;
-        let (idle, churn) = (idle.minus(baseline.0), churn.minus(baseline.1));
-        let server = process_named("kube-apiserver").map_or(0, |p| rss_kib(p, "VmRSS"));
-        println!(
-            "| {n} | {:.0}, {:.1} | {:.1} / {:.1} | {:.2} / {:.2} | {:.0} / {:.0} | {:.0} MiB |",
-            startup.lists,
-            startup.list_bytes / 1048576.0,
-            per_minute(idle.requests, w),
-            per_minute(churn.requests, w),
-            per_minute(idle.watch_bytes, w) / 1048576.0,
-            per_minute(churn.watch_bytes, w) / 1048576.0,
-            per_minute(idle.server_cpu_ms, w),
-            per_minute(churn.server_cpu_ms, w),
-            mib(server),
+        print_watch_side(
+            bench,
+            n,
+            "ours",
+            startup,
+            (idle, churn),
+            baseline,
+            "in the bench's process",
         );
         eprintln!("bench: {n} watch-side agents measured");
     }
     println!();
     println!(
-        "kube-apiserver killed and restarted, {running} watch-side agents running: in the next {}s {}",
+        "kube-apiserver killed and restarted, {running} of our watch-side agents running: in the next {}s {}",
         AFTER_RESTART.as_secs(),
         bench.restart_lists().await
+    );
+}
+
+/// Istio's agents watch-side, `counts` of them in turn (each on a node of its own), killed at the end.
+async fn istio_watch_side(
+    bench: &mut Bench,
+    bin: &std::path::Path,
+    counts: &[usize],
+    baseline: (ApiCost, ApiCost),
+) -> Result<(), String> {
+    let mut running: Vec<testbed::istio_agent::WatchSide> = Vec::new();
+    for &n in counts {
+        let before = bench.scrape().await;
+        while running.len() < n {
+            let name = format!("istio-watch-only-{}", running.len());
+            running.push(testbed::istio_agent::WatchSide::start(
+                &bench.node.kube,
+                bin,
+                &name,
+            ));
+        }
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let mut synced = 0;
+            for a in running.iter_mut() {
+                synced += usize::from(a.synced()?);
+            }
+            if synced == n {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{synced} of {n} Istio agents synced after 600 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        tokio::time::sleep(SETTLE).await;
+        let startup = ApiCost::between(&before, &bench.scrape().await, None);
+        let ((idle, _), (churn, _)) = bench.windows().await;
+        let rss: Vec<u64> = running
+            .iter()
+            .filter_map(|a| a.agent_process())
+            .map(|p| rss_kib(p, "VmRSS"))
+            .collect();
+        let each = rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0;
+        print_watch_side(
+            bench,
+            n,
+            "Istio's",
+            startup,
+            (idle, churn),
+            baseline,
+            &format!("{each:.1} MiB"),
+        );
+        eprintln!("bench: {n} Istio watch-side agents measured");
+    }
+    Ok(())
+}
+
+/// One row of the watch-side table.
+fn print_watch_side(
+    bench: &Bench,
+    n: usize,
+    whose: &str,
+    startup: ApiCost,
+    (idle, churn): (ApiCost, ApiCost),
+    baseline: (ApiCost, ApiCost),
+    agent_rss: &str,
+) {
+    let w = bench.window;
+    let (idle_less, churn_less) = (idle.minus(baseline.0), churn.minus(baseline.1));
+    let server = process_named("kube-apiserver").map_or(0, |p| rss_kib(p, "VmRSS"));
+    println!(
+        "| {n} | {whose} | {:.0}, {:.1}, {:.1} | {:.1} / {:.1} | {:.2} / {:.2} | {:.0} / {:.0} | {:.0} MiB | {agent_rss} |",
+        startup.lists,
+        startup.list_bytes / 1048576.0,
+        startup.watch_bytes / 1048576.0,
+        per_minute(idle_less.requests, w),
+        per_minute(churn_less.requests, w),
+        per_minute(idle_less.watch_bytes, w) / 1048576.0,
+        per_minute(churn_less.watch_bytes, w) / 1048576.0,
+        per_minute(idle_less.server_cpu_ms, w),
+        per_minute(churn_less.server_cpu_ms, w),
+        mib(server),
     );
 }

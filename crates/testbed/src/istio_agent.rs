@@ -149,3 +149,97 @@ pub fn agent_process(pid: u32) -> Option<u32> {
         .parse()
         .ok()
 }
+
+/// Istio's agent alone on a node of its own that runs no pod, for what its watches cost the API
+/// server: its own temp dir, network namespace (its host rules land there), PID and mount
+/// namespaces ([`command`]) and node name, sharing the caller's API server. Its installer finds
+/// no primary CNI config and waits, so it never turns ready; its watches are synced once it logs
+/// [`WatchSide::SYNCED`]. Killed with its namespaces on drop.
+pub struct WatchSide {
+    dir: tempfile::TempDir,
+    child: std::process::Child,
+    _api: crate::relay::LoopbackForward,
+    _netns: dataplane::test_support::TestNetns,
+}
+
+impl WatchSide {
+    /// The line Istio's ambient server logs once its informers synced (`nodeagent.Server.Start`).
+    pub const SYNCED: &'static str = "CNI ambient server kubeclient started";
+
+    pub fn start(kube: &crate::kube::KubeTestEnv, istio_bin: &Path, node_name: &str) -> WatchSide {
+        let dir = tempfile::Builder::new()
+            .prefix("istio-watch-side")
+            .tempdir()
+            .unwrap();
+        let d = dir.path();
+        for sub in ["net.d", "bin", "src-bin", "run", "sa", "zt"] {
+            std::fs::create_dir_all(d.join(sub)).unwrap();
+        }
+        // The installer copies the plugin it finds; no pod ever runs it, and 50 copies of
+        // Istio's 77 MB plugin would fill the disk.
+        std::os::unix::fs::symlink("/bin/true", d.join("src-bin/istio-cni")).unwrap();
+        // The nftables host rule matches the kubelet's UID; [`LAUNCH`] runs this in the node.
+        std::os::unix::fs::symlink("/bin/sleep", d.join("kubelet")).unwrap();
+        std::fs::write(d.join("sa/token"), kube.admin_token()).unwrap();
+        std::fs::write(d.join("sa/ca.crt"), kube.ca_pem()).unwrap();
+        let netns = dataplane::test_support::TestNetns::new("istio-ws");
+        let api = crate::relay::forward_loopback(&netns.open(), kube.port());
+        let log = std::fs::File::create(d.join("agent.log")).unwrap();
+        let mut env: Vec<(String, String)> = [
+            ("NODE_NAME", node_name),
+            ("AMBIENT_ENABLED", "true"),
+            ("NATIVE_NFTABLES", "true"),
+            ("CNI_AGENT_RUN_DIR", &d.join("run").display().to_string()),
+            ("KUBERNETES_SERVICE_HOST", "127.0.0.1"),
+            ("KUBERNETES_SERVICE_PORT", &kube.port().to_string()),
+            ("POD_NAMESPACE", "istio-system"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        env.extend(daemonset_env(node_name));
+        let child = command(istio_bin, d, &netns.path())
+            .arg("--log_output_level=info")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(env)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start Istio's install-cni");
+        WatchSide {
+            dir,
+            child,
+            _api: api,
+            _netns: netns,
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    /// Its watches have synced; an agent that exited is an error with its log.
+    pub fn synced(&mut self) -> Result<bool, String> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            return Err(format!(
+                "Istio's agent exited with {status}:\n{}",
+                self.log()
+            ));
+        }
+        Ok(self.log().contains(Self::SYNCED))
+    }
+
+    /// The agent's own process (below its launcher).
+    pub fn agent_process(&self) -> Option<u32> {
+        agent_process(self.child.id())
+    }
+}
+
+impl Drop for WatchSide {
+    fn drop(&mut self) {
+        // The launcher (`unshare --kill-child`) takes the agent and its PID namespace with it.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

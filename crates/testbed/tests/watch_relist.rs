@@ -1,8 +1,10 @@
 //! The agent's pod and namespace watches (`cni_agent::ambient::cluster::spawn_watches`) against a
 //! real kube-apiserver, reached through the test API proxy so the watches can be cut:
 //!
-//! - a namespace that is huge (hundreds of labels, annotations near the API server's 256 KiB
-//!   limit) is cached with only the labels the enablement selectors read;
+//! - a namespace and a pod of this node that are huge (hundreds of labels, annotations near the
+//!   API server's 256 KiB limit: it refuses the 1 MiB a client might try) are cached with only
+//!   the labels the enablement selectors read, and the pod with only the annotations the agent
+//!   reads;
 //! - a watch resumed at a resourceVersion the API server no longer has (410 Gone: the server was
 //!   restarted while the watch was cut and the cluster changed meanwhile) lists again once, not
 //!   in a loop, and the relist takes out the pods and namespaces deleted while it was cut.
@@ -19,6 +21,7 @@ use tokio::sync::mpsc;
 use cni_agent::ambient::cluster::{Cluster, ClusterEvent, spawn_watches};
 use cni_agent::http::Readiness;
 use cni_core::enroll::{CompiledSelectors, DATAPLANE_MODE_LABEL, Labels, default_selectors};
+use cni_core::redirect::ambient::overrides::BYPASS_INBOUND_CAPTURE;
 use testbed::api_proxy::ApiProxy;
 use testbed::apiserver_metrics::Scrape;
 use testbed::kube::KubeTestEnv;
@@ -35,8 +38,12 @@ async fn create_namespace(admin: &kube::Client, ns: serde_json::Value) {
 }
 
 async fn create_pod(admin: &kube::Client, namespace: &str, name: &str) {
+    create_pod_with(admin, namespace, json!({"name": name})).await
+}
+
+async fn create_pod_with(admin: &kube::Client, namespace: &str, metadata: serde_json::Value) {
     let pod = json!({
-        "metadata": {"name": name},
+        "metadata": metadata,
         "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "none"}]}
     });
     Api::<Pod>::namespaced(admin.clone(), namespace)
@@ -123,6 +130,15 @@ async fn watches_keep_only_what_the_agent_reads_and_relist_once_after_410_gone()
     for (ns, pod) in [("stays", "p-stays"), ("goes", "p-goes")] {
         create_pod(&admin, ns, pod).await;
     }
+    // The same on a pod of this node, with an annotation the agent reads among them.
+    let mut pod_annotations = annotations.clone();
+    pod_annotations.insert(BYPASS_INBOUND_CAPTURE.into(), "true".into());
+    create_pod_with(
+        &admin,
+        "huge",
+        json!({"name": "huge", "labels": labels, "annotations": pod_annotations}),
+    )
+    .await;
 
     let cluster = Arc::new(Cluster::default());
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -130,7 +146,7 @@ async fn watches_keep_only_what_the_agent_reads_and_relist_once_after_410_gone()
     spawn_watches(
         env.admin_client_via(proxy.port()).await,
         NODE,
-        selectors.namespace_keys(),
+        &selectors,
         cluster.clone(),
         tx,
         Readiness::new().condition("watches"),
@@ -144,8 +160,13 @@ async fn watches_keep_only_what_the_agent_reads_and_relist_once_after_410_gone()
     // Huge input costs only what is kept: the one label the default selectors read.
     let only_mode: Labels = [(DATAPLANE_MODE_LABEL.to_string(), "ambient".to_string())].into();
     assert_eq!(labels_of(&cluster, "huge"), Some(only_mode.clone()));
-    assert_eq!(labels_of(&cluster, "stays"), Some(only_mode));
+    assert_eq!(labels_of(&cluster, "stays"), Some(only_mode.clone()));
     assert!(has_pod(&cluster, "goes", "p-goes"));
+    let huge = cluster.read().unwrap().pods[&("huge".into(), "huge".into())].clone();
+    assert_eq!(huge.metadata.labels, Some(only_mode));
+    let read: BTreeMap<String, String> = [(BYPASS_INBOUND_CAPTURE.into(), "true".into())].into();
+    assert_eq!(huge.metadata.annotations, Some(read));
+    assert!(huge.metadata.uid.is_some());
 
     // The watches are cut (every request refused) while the cluster changes, and the API server
     // restarts: its watch cache starts after these changes, so the watches' resourceVersion is

@@ -16,8 +16,11 @@ use kube::runtime::watcher::{self, Event as WatchEvent, watcher};
 use tokio::sync::futures::Notified;
 use tokio::sync::{Notify, mpsc};
 
-use cni_core::enroll::{LabelKeys, Labels, PodView, SIDECAR_STATUS_ANNOTATION};
+use cni_core::enroll::{CompiledSelectors, LabelKeys, Labels, PodView, SIDECAR_STATUS_ANNOTATION};
 use cni_core::reconcile::{PodFacts, REDIRECTION_ANNOTATION, Redirection};
+use cni_core::redirect::ambient::overrides::{
+    BYPASS_INBOUND_CAPTURE, DNS_CAPTURE, REROUTE_VIRTUAL_INTERFACES,
+};
 
 use super::watched::WirePod;
 use crate::http::ReadyFlag;
@@ -111,12 +114,15 @@ pub enum ClusterEvent {
 }
 
 /// What the agent keeps of a pod. Hundreds of pods per node are kept for the agent's life, and of
-/// most the agent reads only metadata, `hostNetwork`, the service account, whether the pod finished
-/// and its IPs: the rest of spec and status (containers, volumes, conditions, container statuses)
-/// is never decoded ([`WirePod`]), and the room `Pod` reserves for them (2 KiB of empty fields
-/// per pod, most of a loaded agent's pod cache) is not kept. A sidecar pod keeps its whole spec
-/// and status, as the plugin programs its rules from the pod it is handed. No pod has
-/// `managedFields` (server-side apply bookkeeping, often a third of a pod).
+/// most the agent reads only its name, namespace, UID and deletion mark, the labels the
+/// enablement selectors name, the annotations of [`READ_ANNOTATIONS`], `hostNetwork`, the service
+/// account, whether the pod finished and its IPs: the rest of spec and status (containers,
+/// volumes, conditions, container statuses) is never decoded ([`WirePod`]), and the room `Pod`
+/// reserves for them (2 KiB of empty fields per pod, most of a loaded agent's pod cache) is not
+/// kept, nor are its other labels and annotations (a pod may carry hundreds of KiB of them). A
+/// sidecar pod keeps its whole metadata, spec and status, as the plugin programs its rules from
+/// the pod it is handed. No pod has `managedFields` (server-side apply bookkeeping, often a third
+/// of a pod).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CachedPod {
     pub metadata: ObjectMeta,
@@ -129,8 +135,42 @@ pub struct CachedPod {
     sidecar: Option<Box<(Option<PodSpec>, Option<PodStatus>)>>,
 }
 
-impl From<WirePod> for CachedPod {
-    fn from(pod: WirePod) -> Self {
+/// The annotations read of a pod without a sidecar: the state the agent records, and the per-pod
+/// overrides of its in-pod rules (`inpod_config`).
+pub const READ_ANNOTATIONS: &[&str] = &[
+    REDIRECTION_ANNOTATION,
+    BYPASS_INBOUND_CAPTURE,
+    DNS_CAPTURE,
+    REROUTE_VIRTUAL_INTERFACES,
+];
+
+/// Of a pod without a sidecar, the metadata the agent reads: labels among `label_keys` (the pod
+/// selectors' keys, [`CompiledSelectors::pod_keys`]) and annotations among [`READ_ANNOTATIONS`].
+fn kept_metadata(meta: ObjectMeta, label_keys: &LabelKeys) -> ObjectMeta {
+    let non_empty = |m: Labels| (!m.is_empty()).then_some(m);
+    ObjectMeta {
+        name: meta.name,
+        namespace: meta.namespace,
+        uid: meta.uid,
+        deletion_timestamp: meta.deletion_timestamp,
+        labels: meta
+            .labels
+            .map(|l| label_keys.retain(l))
+            .and_then(non_empty),
+        annotations: meta
+            .annotations
+            .map(|mut a| {
+                a.retain(|k, _| READ_ANNOTATIONS.contains(&k.as_str()));
+                a
+            })
+            .and_then(non_empty),
+        ..ObjectMeta::default()
+    }
+}
+
+impl CachedPod {
+    /// The pod as kept: see [`CachedPod`]; `label_keys` are the labels the pod selectors read.
+    pub fn new(pod: WirePod, label_keys: &LabelKeys) -> Self {
         let sidecar = pod
             .metadata
             .annotations
@@ -138,6 +178,10 @@ impl From<WirePod> for CachedPod {
             .is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION))
             .then(|| Box::new(pod.spec_and_status()));
         let (spec, status) = (pod.spec_facts(), pod.status_facts());
+        let metadata = match sidecar {
+            Some(_) => pod.metadata,
+            None => kept_metadata(pod.metadata, label_keys),
+        };
         CachedPod {
             host_network: spec.host_network.unwrap_or(false),
             service_account: spec.service_account_name,
@@ -147,7 +191,7 @@ impl From<WirePod> for CachedPod {
                 status.pod_ip.as_deref(),
             ),
             sidecar,
-            metadata: pod.metadata,
+            metadata,
         }
     }
 }
@@ -211,12 +255,12 @@ pub fn facts(pod: &CachedPod) -> PodFacts {
 }
 
 /// Starts the pod (node-scoped) and namespace watches. Events go to `tx` in the order seen;
-/// `synced` turns true once both initial lists are in the cache. Namespaces are kept and sent
-/// with only their labels among `namespace_keys`.
+/// `synced` turns true once both initial lists are in the cache. Namespaces and pods are kept
+/// and sent with only the labels `selectors` read (and pods as [`CachedPod::new`] keeps them).
 pub fn spawn_watches(
     client: kube::Client,
     node: &str,
-    namespace_keys: LabelKeys,
+    selectors: &CompiledSelectors,
     cache: SharedCache,
     tx: mpsc::UnboundedSender<ClusterEvent>,
     synced: ReadyFlag,
@@ -224,6 +268,7 @@ pub fn spawn_watches(
     let pods = Api::<WirePod>::all(client.clone());
     let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let (pods_synced_tx, pods_synced) = tokio::sync::oneshot::channel::<()>();
+    let (pod_keys, namespace_keys) = (selectors.pod_keys(), selectors.namespace_keys());
     let (ns_synced_tx, ns_synced) = tokio::sync::oneshot::channel::<()>();
 
     let (cache_p, tx_p) = (cache.clone(), tx.clone());
@@ -235,7 +280,7 @@ pub fn spawn_watches(
             match event {
                 Ok(WatchEvent::Init) => relist = Some(HashMap::new()),
                 Ok(WatchEvent::InitApply(pod)) | Ok(WatchEvent::Apply(pod)) => {
-                    let pod = Arc::new(CachedPod::from(pod));
+                    let pod = Arc::new(CachedPod::new(pod, &pod_keys));
                     if let Some(seen) = relist.as_mut() {
                         seen.insert(pod_key(&pod), pod.clone());
                     }
@@ -243,7 +288,7 @@ pub fn spawn_watches(
                     let _ = tx_p.send(ClusterEvent::Pod { old, new: pod });
                 }
                 Ok(WatchEvent::Delete(pod)) => {
-                    let pod = Arc::new(CachedPod::from(pod));
+                    let pod = Arc::new(CachedPod::new(pod, &pod_keys));
                     cache_p.write().unwrap().pods.remove(&pod_key(&pod));
                     let _ = tx_p.send(ClusterEvent::PodDeleted(pod));
                 }
@@ -398,7 +443,10 @@ mod tests {
     fn pod_json(annotations: serde_json::Value) -> serde_json::Value {
         json!({
             "metadata": {"namespace": "ns", "name": "p", "uid": "u1", "annotations": annotations,
-                         "labels": {"app": "a"}, "managedFields": [{"manager": "kubelet"}]},
+                         "labels": {"app": "a", "istio.io/dataplane-mode": "ambient"},
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                              "name": "r", "uid": "u0"}],
+                         "managedFields": [{"manager": "kubelet"}]},
             "spec": {"hostNetwork": true, "serviceAccountName": "sa",
                      "containers": [{"name": "app", "image": "app:1", "ports": [{"containerPort": 8080}]}]},
             "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}],
@@ -406,18 +454,40 @@ mod tests {
         })
     }
 
+    /// Kept as the agent keeps it with Istio's default enablement selectors.
     fn cached(pod: serde_json::Value) -> CachedPod {
-        CachedPod::from(serde_json::from_value::<WirePod>(pod).unwrap())
+        let keys = CompiledSelectors::compile(&cni_core::enroll::default_selectors())
+            .unwrap()
+            .pod_keys();
+        CachedPod::new(serde_json::from_value::<WirePod>(pod).unwrap(), &keys)
     }
 
     #[test]
     fn a_cached_pod_keeps_what_enrollment_reads() {
-        let cached = cached(pod_json(json!({"ambient.istio.io/redirection": "enabled"})));
+        let cached = cached(pod_json(json!({
+            "ambient.istio.io/redirection": "enabled",
+            "ambient.istio.io/dns-capture": "false",
+            "kubectl.kubernetes.io/last-applied-configuration": "{\"a whole pod\": 1}",
+        })));
         assert!(cached.metadata.managed_fields.is_none());
         assert!(cached.sidecar_pod().is_none());
         let f = facts(&cached);
         assert_eq!(f.redirection(), Redirection::Enabled);
-        assert_eq!(f.view.labels.get("app").map(String::as_str), Some("a"));
+        // Only the label the default selectors read, and the annotations the agent reads.
+        assert_eq!(
+            f.view.labels,
+            Labels::from([("istio.io/dataplane-mode".into(), "ambient".into())])
+        );
+        assert_eq!(
+            f.view.annotations.keys().collect::<Vec<_>>(),
+            [
+                "ambient.istio.io/dns-capture",
+                "ambient.istio.io/redirection"
+            ]
+        );
+        assert!(cached.metadata.owner_references.is_none());
+        assert_eq!(cached.metadata.uid.as_deref(), Some("u1"));
+        assert_eq!(pod_key(&cached), ("ns".to_string(), "p".to_string()));
         assert!(f.view.host_network);
         assert!(!f.terminal);
         assert_eq!(f.ips, vec!["10.0.0.5".parse::<IpAddr>().unwrap()]);
@@ -452,6 +522,10 @@ mod tests {
         let kept = cached(json).sidecar_pod().unwrap();
         assert!(kept.metadata.managed_fields.is_none());
         assert_eq!(kept.metadata.labels, whole.metadata.labels);
+        assert_eq!(
+            kept.metadata.owner_references,
+            whole.metadata.owner_references
+        );
         assert_eq!(kept.spec, whole.spec);
         assert_eq!(kept.status, whole.status);
     }

@@ -21,7 +21,7 @@ use super::cluster::{Annotator, CachedPod, Cluster, SharedCache, facts};
 use super::mesh::Mesh;
 use super::reconciler::Policy;
 use crate::metrics::{ResponseCodeLabel, observe};
-use cni_core::enroll::Labels;
+use cni_core::enroll::{CompiledSelectors, Labels};
 
 pub struct CniServer {
     pub cache: SharedCache,
@@ -36,10 +36,12 @@ pub struct CniServer {
 const CACHE_WAIT: Duration = Duration::from_millis(100);
 
 /// The pod of a CNI request and its namespace's labels: from the cache, waiting up to
-/// [`CACHE_WAIT`] for the watch to deliver them, else from the API server.
+/// [`CACHE_WAIT`] for the watch to deliver them, else from the API server (the pod then cached
+/// as the watch would keep it, with the labels `selectors` read).
 async fn find_pod(
     cache: &Cluster,
     api: &Annotator,
+    selectors: &CompiledSelectors,
     namespace: &str,
     name: &str,
 ) -> Result<(Arc<CachedPod>, Labels), String> {
@@ -80,7 +82,7 @@ async fn find_pod(
     // Into the cache unless the watch got there first: a pod the watch never delivered (it was
     // down) and that is deleted before it recovers would otherwise be missing from both the
     // cache and the relist, and its removal from the mesh would never happen.
-    let pod = cache.insert_if_absent(Arc::new(CachedPod::from(pod)));
+    let pod = cache.insert_if_absent(Arc::new(CachedPod::new(pod, &selectors.pod_keys())));
     Ok((pod, labels))
 }
 
@@ -90,7 +92,14 @@ impl CniServer {
         namespace: &str,
         name: &str,
     ) -> Result<(Arc<CachedPod>, Eligibility), String> {
-        let (pod, labels) = find_pod(&self.cache, &self.annotator, namespace, name).await?;
+        let (pod, labels) = find_pod(
+            &self.cache,
+            &self.annotator,
+            &self.policy.selectors,
+            namespace,
+            name,
+        )
+        .await?;
         let scope = Scope {
             selectors: &self.policy.selectors,
             namespace_labels: &labels,
@@ -220,12 +229,16 @@ mod tests {
     use super::*;
     use crate::ambient::watched::WirePod;
 
+    fn selectors() -> CompiledSelectors {
+        CompiledSelectors::compile(&cni_core::enroll::default_selectors()).unwrap()
+    }
+
     fn pod(namespace: &str, name: &str) -> Arc<CachedPod> {
         let pod: WirePod = serde_json::from_value(serde_json::json!({
             "metadata": {"namespace": namespace, "name": name, "uid": "u1"}
         }))
         .unwrap();
-        Arc::new(pod.into())
+        Arc::new(CachedPod::new(pod, &Default::default()))
     }
 
     /// An API client that can never answer: a lookup that succeeds did not use it.
@@ -248,7 +261,7 @@ mod tests {
         });
         // The API server here can never answer, so success means the wait was woken by the
         // update (a wait that ran out asks the API server and fails).
-        let (found, _) = find_pod(&cache, &unreachable_api(), "apps", "web")
+        let (found, _) = find_pod(&cache, &unreachable_api(), &selectors(), "apps", "web")
             .await
             .unwrap();
         assert_eq!(found.metadata.name.as_deref(), Some("web"));
@@ -284,7 +297,7 @@ mod tests {
     #[tokio::test]
     async fn a_pod_read_from_the_api_server_is_cached_for_the_watch_to_reconcile() {
         let cache = Arc::new(Cluster::default());
-        let (found, _) = find_pod(&cache, &api_with_pod(), "apps", "web")
+        let (found, _) = find_pod(&cache, &api_with_pod(), &selectors(), "apps", "web")
             .await
             .unwrap();
         assert_eq!(found.metadata.uid.as_deref(), Some("u1"));
@@ -306,7 +319,7 @@ mod tests {
         let cache = Arc::new(Cluster::default());
         cache.upsert_namespace("apps".into(), Labels::new());
         let started = Instant::now();
-        let err = find_pod(&cache, &unreachable_api(), "apps", "web")
+        let err = find_pod(&cache, &unreachable_api(), &selectors(), "apps", "web")
             .await
             .unwrap_err();
         assert!(started.elapsed() >= CACHE_WAIT);
