@@ -1,7 +1,7 @@
 //! Every failure branch of a CNI ADD through the recording fakes: what the ADD reports, what was
 //! undone, and what the pod's annotation says afterwards; and the drift check that enrolls a pod
-//! the agent kept without a namespace. The pod's namespace is the test's own, so no step needs
-//! root; nothing reaches an API server.
+//! the agent kept without a namespace. The pod's namespace is the test's own, so no step of an
+//! ADD needs root (the drift check's /proc scan does); nothing reaches an API server.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -356,6 +356,9 @@ fn fake_process(proc_dir: &std::path::Path, pid: u32, uid: &str) {
 /// caches it, counted as a pod repair. Before the fix it was skipped at every check for good.
 #[tokio::test]
 async fn the_drift_check_enrolls_a_pod_kept_without_a_namespace_once_it_is_found() {
+    // The /proc scan reads a candidate's addresses from inside it: setns, which needs
+    // CAP_SYS_ADMIN even into the caller's own namespace.
+    dataplane::require_root!();
     let bed = bed();
     let own = bed
         .mesh
