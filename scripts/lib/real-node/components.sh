@@ -7,11 +7,7 @@ tail_log() { # name
   tail -n 25 "$logs/$1.log" 2>/dev/null | sed 's/^/    /' >&2 || true
 }
 component_pid() { cat "$run/$1.pid" 2>/dev/null || true; }
-component_alive() {
-  local pid
-  pid=$(component_pid "$1")
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
-}
+component_alive() { in_node "$(component_pid "$1")"; }
 
 # Starts one component inside the node, in its own session (Ctrl-C on `up` does not reach it),
 # logging to <dir>/logs/<name>.log.
@@ -57,15 +53,15 @@ return_fail() {
   exit 1
 }
 
-stop_component() { # name: TERM, then KILL after 10 s
+stop_component() { # name: TERM, then KILL after 10 s; only a process of this node
   local pid
   pid=$(component_pid "$1")
-  if [ -z "$pid" ] || ! kill -TERM "$pid" 2>/dev/null; then rm -f "$run/$1.pid"; return 0; fi
+  if ! in_node "$pid" || ! kill -TERM "$pid" 2>/dev/null; then rm -f "$run/$1.pid"; return 0; fi
   for _ in $(seq 100); do
-    kill -0 "$pid" 2>/dev/null || break
+    in_node "$pid" || break
     sleep 0.1
   done
-  kill -KILL "$pid" 2>/dev/null || true
+  ! in_node "$pid" || kill -KILL "$pid" 2>/dev/null || true
   rm -f "$run/$1.pid"
 }
 

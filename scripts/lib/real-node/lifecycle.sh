@@ -83,18 +83,28 @@ pod_processes() {
 # Kills the selected node's init, then whatever of the node is left, and removes its cgroups and
 # run dir (its components are stopped already).
 stop_node_rest() {
-  local pids holder
-  # The node's init last: the kernel kills whatever is left in its pid namespace.
+  local pids holder pin="" alive=""
+  # The node's init last: the kernel kills whatever is left in its pid namespace. Its mount
+  # namespace is held open meanwhile, so the number node_processes matches cannot be handed to
+  # another node's namespace while the loop runs. A node whose init is gone already has no
+  # process left in it (all ran in its pid namespace), and its recorded number may be another
+  # node's by now: then only the pods' cgroups, which are this node's by path, are looked at.
   holder=$(holder_pid)
-  [ -z "$holder" ] || kill -KILL "$holder" 2>/dev/null || true
+  if holder_alive && exec {pin}<"/proc/$holder/ns/mnt"; then
+    alive=1
+    kill -KILL "$holder" 2>/dev/null || true
+  fi
   for _ in 1 2 3 4 5; do
     mapfile -t pids < <(pod_processes)
     [ "${#pids[@]}" = 0 ] || kill -KILL "${pids[@]}" 2>/dev/null || true
-    mapfile -t pids < <(node_processes)
-    [ "${#pids[@]}" = 0 ] || kill -KILL "${pids[@]}" 2>/dev/null || true
-    [ -z "$(pod_processes)$(node_processes)" ] && break
+    if [ -n "$alive" ]; then
+      mapfile -t pids < <(node_processes)
+      [ "${#pids[@]}" = 0 ] || kill -KILL "${pids[@]}" 2>/dev/null || true
+    fi
+    [ -z "$(pod_processes)${alive:+$(node_processes)}" ] && break
     sleep 0.3
   done
+  [ -z "$pin" ] || exec {pin}<&-
   remove_cgroups
   rm -rf "$run"
 }

@@ -43,11 +43,28 @@ select_node() { # K
   cgroup_root="/istio-cni-rs/$(printf %s "$node_dir" | sha256sum | cut -c1-12)"
 }
 holder_pid() { cat "$run/holder.pid" 2>/dev/null || true; }
+# A process's start time (clock ticks since boot), the field after its state, ppid, ...: with its
+# pid, what names one process for good.
+proc_start() { # pid
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 0
+  stat=${stat##*) }
+  echo "$stat" | cut -d' ' -f20
+}
+# Whether the node's init is the process it was: pids wrap within minutes on a busy machine
+# (pid_max 32768), and the kernel hands a dead namespace's number to the next one made at once,
+# so a stale holder.pid or mntns may name another node by now (a CI run's node was killed so).
 holder_alive() {
   local pid
   pid=$(holder_pid)
-  [ -n "$pid" ] && [ -e "/proc/$pid/ns/mnt" ] &&
-    [ "$(readlink "/proc/$pid/ns/mnt")" = "$(cat "$run/mntns" 2>/dev/null)" ]
+  [ -n "$pid" ] && [ "$(proc_start "$pid")" = "$(cat "$run/holder.start" 2>/dev/null)" ] &&
+    [ "$(readlink "/proc/$pid/ns/mnt" 2>/dev/null)" = "$(cat "$run/mntns" 2>/dev/null)" ]
+}
+# Whether process PID lives in this node's mount namespace; its number is this node's only while
+# the node's init lives.
+in_node() { # pid
+  [ -n "$1" ] && holder_alive &&
+    [ "$(readlink "/proc/$1/ns/mnt" 2>/dev/null)" = "$(cat "$run/mntns" 2>/dev/null)" ]
 }
 # Runs a command inside the node's mount and network namespaces (in its root directory).
 inside() {
@@ -83,6 +100,7 @@ start_holder() {
   done
   # The holder is unshare's child, pid 1 of the node.
   tr -d ' ' <"/proc/$unshare_pid/task/$unshare_pid/children" >"$run/holder.pid"
+  proc_start "$(holder_pid)" >"$run/holder.start"
   readlink "/proc/$(holder_pid)/ns/mnt" >"$run/mntns"
 }
 
