@@ -144,8 +144,13 @@ pub const READ_ANNOTATIONS: &[&str] = &[
     REROUTE_VIRTUAL_INTERFACES,
 ];
 
+/// The label that tells ztunnel's own pods (`app=ztunnel` in the system namespace), which are
+/// never reconciled whatever the selectors say.
+pub const ZTUNNEL_LABEL: &str = "app";
+
 /// Of a pod without a sidecar, the metadata the agent reads: labels among `label_keys` (the pod
-/// selectors' keys, [`CompiledSelectors::pod_keys`]) and annotations among [`READ_ANNOTATIONS`].
+/// selectors' keys, [`CompiledSelectors::pod_keys`]) and [`ZTUNNEL_LABEL`], and annotations
+/// among [`READ_ANNOTATIONS`].
 fn kept_metadata(meta: ObjectMeta, label_keys: &LabelKeys) -> ObjectMeta {
     let non_empty = |m: Labels| (!m.is_empty()).then_some(m);
     ObjectMeta {
@@ -155,7 +160,12 @@ fn kept_metadata(meta: ObjectMeta, label_keys: &LabelKeys) -> ObjectMeta {
         deletion_timestamp: meta.deletion_timestamp,
         labels: meta
             .labels
-            .map(|l| label_keys.retain(l))
+            .map(|mut l| {
+                let ztunnel = l.remove_entry(ZTUNNEL_LABEL);
+                let mut kept = label_keys.retain(l);
+                kept.extend(ztunnel);
+                kept
+            })
             .and_then(non_empty),
         annotations: meta
             .annotations
@@ -473,10 +483,14 @@ mod tests {
         assert!(cached.sidecar_pod().is_none());
         let f = facts(&cached);
         assert_eq!(f.redirection(), Redirection::Enabled);
-        // Only the label the default selectors read, and the annotations the agent reads.
+        // Only the label the default selectors read and the one that tells ztunnel's pods, and
+        // the annotations the agent reads.
         assert_eq!(
             f.view.labels,
-            Labels::from([("istio.io/dataplane-mode".into(), "ambient".into())])
+            Labels::from([
+                ("app".into(), "a".into()),
+                ("istio.io/dataplane-mode".into(), "ambient".into())
+            ])
         );
         assert_eq!(
             f.view.annotations.keys().collect::<Vec<_>>(),
@@ -492,6 +506,26 @@ mod tests {
         assert!(!f.terminal);
         assert_eq!(f.ips, vec!["10.0.0.5".parse::<IpAddr>().unwrap()]);
         assert_eq!(workload_info(&cached).service_account, "sa");
+    }
+
+    /// ztunnel's own pods are told by a label no enablement selector names: trimming must keep
+    /// it, or a labelled system namespace would have its ztunnel enrolled into itself.
+    #[test]
+    fn a_cached_ztunnel_pod_is_still_told_as_ztunnel() {
+        let mut pod = pod_json(json!({}));
+        pod["metadata"]["namespace"] = json!("istio-system");
+        pod["metadata"]["labels"] = json!({"app": "ztunnel", "sidecar.istio.io/inject": "false"});
+        let policy = crate::ambient::reconciler::Policy {
+            selectors: CompiledSelectors::compile(&cni_core::enroll::default_selectors()).unwrap(),
+            exclude_namespaces: Default::default(),
+            system_namespace: "istio-system".into(),
+        };
+        let kept = cached(pod);
+        assert!(policy.is_ztunnel(&kept), "{:?}", kept.metadata.labels);
+        assert_eq!(
+            kept.metadata.labels,
+            Some(Labels::from([("app".into(), "ztunnel".into())]))
+        );
     }
 
     #[test]

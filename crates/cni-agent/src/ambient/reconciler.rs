@@ -29,7 +29,7 @@ impl Policy {
                 .metadata
                 .labels
                 .as_ref()
-                .and_then(|l| l.get("app"))
+                .and_then(|l| l.get(crate::ambient::cluster::ZTUNNEL_LABEL))
                 .map(String::as_str)
                 == Some("ztunnel")
     }
