@@ -256,21 +256,21 @@ impl CompiledSelectors {
     /// The namespace labels [`Self::matches`] and [`Self::matches_namespace`] read: a namespace
     /// kept with only these is judged as with all of its labels.
     pub fn namespace_keys(&self) -> LabelKeys {
-        LabelKeys(
-            self.pairs
-                .iter()
-                .flat_map(|(_, n)| n.requirements.iter().map(|r| r.key().to_owned()))
-                .collect(),
-        )
+        self.keys(|(_, n)| n)
     }
 
     /// The pod labels [`Self::matches`] reads: a pod kept with only these is judged as with all
     /// of its labels.
     pub fn pod_keys(&self) -> LabelKeys {
+        self.keys(|(p, _)| p)
+    }
+
+    /// The keys the requirements of one side of every pair name.
+    fn keys(&self, side: impl Fn(&(Selector, Selector)) -> &Selector) -> LabelKeys {
         LabelKeys(
             self.pairs
                 .iter()
-                .flat_map(|(p, _)| p.requirements.iter().map(|r| r.key().to_owned()))
+                .flat_map(|pair| side(pair).requirements.iter().map(|r| r.key().to_owned()))
                 .collect(),
         )
     }
@@ -291,6 +291,22 @@ impl LabelKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One requirement of each operator, on key `k-<operator>`, the `In`s with value `v`.
+    fn every_operator() -> Vec<LabelSelectorRequirement> {
+        ["In", "NotIn", "Exists", "DoesNotExist"]
+            .iter()
+            .map(|op| LabelSelectorRequirement {
+                key: format!("k-{op}"),
+                operator: (*op).into(),
+                values: if op.ends_with("In") {
+                    vec!["v".into()]
+                } else {
+                    vec![]
+                },
+            })
+            .collect()
+    }
 
     fn labels(pairs: &[(&str, &str)]) -> Labels {
         pairs
@@ -405,18 +421,7 @@ mod tests {
             },
             namespace_selector: LabelSelector {
                 match_labels: labels(&[("team", "a")]),
-                match_expressions: ["In", "NotIn", "Exists", "DoesNotExist"]
-                    .iter()
-                    .map(|op| LabelSelectorRequirement {
-                        key: format!("k-{op}"),
-                        operator: (*op).into(),
-                        values: if op.ends_with("In") {
-                            vec!["v".into()]
-                        } else {
-                            vec![]
-                        },
-                    })
-                    .collect(),
+                match_expressions: every_operator(),
             },
         }])
         .unwrap();
@@ -450,18 +455,7 @@ mod tests {
         let custom = CompiledSelectors::compile(&[EnablementSelector {
             pod_selector: LabelSelector {
                 match_labels: labels(&[("app", "web")]),
-                match_expressions: ["In", "NotIn", "Exists", "DoesNotExist"]
-                    .iter()
-                    .map(|op| LabelSelectorRequirement {
-                        key: format!("k-{op}"),
-                        operator: (*op).into(),
-                        values: if op.ends_with("In") {
-                            vec!["v".into()]
-                        } else {
-                            vec![]
-                        },
-                    })
-                    .collect(),
+                match_expressions: every_operator(),
             },
             namespace_selector: LabelSelector {
                 match_labels: labels(&[("team", "a")]),
