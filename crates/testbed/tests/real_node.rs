@@ -811,6 +811,58 @@ async fn failed_component_start_names_it_and_tears_down_the_rest() {
     assert!(!logs.is_empty(), "the API server ran before containerd");
 }
 
+/// `stop` of a node that died leaves alone the processes its stale files name: pids wrap within
+/// minutes on a busy machine, and the kernel hands a dead mount namespace's number to the next
+/// one made, so a dead node's `holder.pid`, component pid files and `mntns` may all name another
+/// node's processes by then (a CI run lost its node so). Here they name a foreign process in a
+/// mount namespace of its own, the worst case: the number recorded is that namespace's.
+#[tokio::test]
+async fn stop_of_a_dead_node_spares_the_processes_its_stale_files_name() {
+    dataplane::require_root!();
+    let dir = tempfile::tempdir().unwrap();
+    let env = NodeEnv::read(dir.path(), 1);
+    let run = env.path("REAL_NODE_RUN");
+    std::fs::create_dir_all(&run).unwrap();
+    let mut foreign = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sleep", "600"])
+        .spawn()
+        .unwrap();
+    let pid = foreign.id();
+    // unshare execs sleep in place: the same pid, once in its own namespace.
+    let mntns = loop {
+        let ns = std::fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap();
+        if ns != std::fs::read_link("/proc/self/ns/mnt").unwrap() {
+            break ns;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    std::fs::write(run.join("mntns"), format!("{}\n", mntns.display())).unwrap();
+    std::fs::write(env.path("REAL_NODE_HOLDER_PID_FILE"), format!("{pid}\n")).unwrap();
+    for c in ["kubelet", "kube-apiserver", "etcd", "containerd"] {
+        std::fs::write(run.join(format!("{c}.pid")), format!("{pid}\n")).unwrap();
+    }
+    let out = std::process::Command::new(repo_path("scripts/real-node"))
+        .arg("stop")
+        .env("REAL_NODE_DIR", dir.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    // A SIGKILL the script sent is delivered by now; the exit shows within a moment.
+    let alive = (0..20).all(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        foreign.try_wait().unwrap().is_none()
+    });
+    let _ = foreign.kill();
+    let _ = foreign.wait();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(alive, "stop killed a process that was not its node's");
+    assert!(!run.exists(), "the dead node's run dir is cleaned up");
+}
+
 /// The seed of a churn run (`CHURN_SEED` replays a schedule, else `default`) and a real node
 /// ready for it, its components restarted quickly after the faults that stop them.
 async fn churn_node(default: u64) -> (u64, testbed::churn::real::RealChurnNode) {
