@@ -43,8 +43,19 @@ impl Tbl {
         self.rules.push(Rule::new(chain, exprs));
     }
 
-    /// Before the rule now at `index` in `chain` (after its last rule when shorter).
-    fn insert(&mut self, chain: &str, index: usize, exprs: Vec<Expr>) {
+    /// Istio's `insert rule … index <index>` in `chain` once per entry of `each`, in its order,
+    /// as one splice: inserting a rule at a time scanned and shifted the whole table per rule,
+    /// quadratic in the rules one pod's annotations ask for (virtual interfaces × included
+    /// ranges; seconds for a few hundred names). Each insert goes before the rule then at `index`
+    /// (after the chain's last rule when it is shorter), so entries that find the chain shorter
+    /// than `index` land in order and every later one before its predecessor.
+    fn insert_each(
+        &mut self,
+        chain: &str,
+        index: usize,
+        each: impl IntoIterator<Item = Vec<Expr>>,
+    ) {
+        let mut batch: Vec<Rule> = each.into_iter().map(|e| Rule::new(chain, e)).collect();
         let at: Vec<usize> = self
             .rules
             .iter()
@@ -52,11 +63,13 @@ impl Tbl {
             .filter(|(_, r)| r.chain == chain)
             .map(|(i, _)| i)
             .collect();
+        let in_order = index.saturating_sub(at.len()).min(batch.len());
+        batch[in_order..].reverse();
         let pos = match at.get(index) {
             Some(p) => *p,
             None => at.last().map_or(self.rules.len(), |p| p + 1),
         };
-        self.rules.insert(pos, Rule::new(chain, exprs));
+        self.rules.splice(pos..pos, batch);
     }
 
     /// The table with its base chains (only those with rules) and regular chains in order of
@@ -259,13 +272,13 @@ fn interfaces_and_fixed_chains(t: &mut Tables, cfg: &SidecarConfig) {
             );
         }
     }
-    for i in &cfg.reroute_virtual_interfaces {
-        nat.insert(
-            PREROUTING,
-            0,
-            with(vec![iface(IfField::Iifname, eq, i.as_str())], ret()),
-        );
-    }
+    nat.insert_each(
+        PREROUTING,
+        0,
+        cfg.reroute_virtual_interfaces
+            .iter()
+            .map(|i| with(vec![iface(IfField::Iifname, eq, i.as_str())], ret())),
+    );
     if cfg.drop_invalid {
         mangle.add(
             PREROUTING,
@@ -502,32 +515,37 @@ fn outbound_ranges(t: &mut Tables, cfg: &SidecarConfig, fams: &[(IpNet, IpNet, b
     match &cfg.include_outbound_ip_ranges {
         IpRanges::All => {
             nat.add(OUT, jump(REDIRECT));
-            for i in &cfg.reroute_virtual_interfaces {
-                nat.insert(
-                    PREROUTING,
-                    0,
+            nat.insert_each(
+                PREROUTING,
+                0,
+                cfg.reroute_virtual_interfaces.iter().map(|i| {
                     with(
                         vec![iface(IfField::Iifname, eq, i.as_str())],
                         jump(REDIRECT),
-                    ),
-                );
-            }
+                    )
+                }),
+            );
         }
         IpRanges::List(nets) => {
-            for n in nets.iter().filter(|n| wanted(cfg, n)) {
-                for i in &cfg.reroute_virtual_interfaces {
-                    nat.insert(
-                        PREROUTING,
-                        0,
+            let nets: Vec<&IpNet> = nets.iter().filter(|n| wanted(cfg, n)).collect();
+            // Istio interleaves these inserts with the OUT appends; the inserts land before
+            // every OUT rule either way (the interfaces' RETURN rules are in PREROUTING already).
+            nat.insert_each(
+                PREROUTING,
+                0,
+                nets.iter().flat_map(|n| {
+                    cfg.reroute_virtual_interfaces.iter().map(|i| {
                         with(
                             vec![
                                 iface(IfField::Iifname, eq, i.as_str()),
-                                addr(AddrField::Daddr, eq, *n),
+                                addr(AddrField::Daddr, eq, **n),
                             ],
                             jump(REDIRECT),
-                        ),
-                    );
-                }
+                        )
+                    })
+                }),
+            );
+            for n in nets {
                 nat.add(
                     OUT,
                     with(vec![addr(AddrField::Daddr, eq, *n)], jump(REDIRECT)),
@@ -582,15 +600,15 @@ fn tproxy_tail(t: &mut Tables, cfg: &SidecarConfig, fams: &[(IpNet, IpNet, bool)
             Expr::MarkSetCtMark,
         ],
     );
-    mangle.insert(
+    mangle.insert_each(
         INBOUND,
         0,
-        with(vec![tcp(), mark(eq, INBOUND_TPROXY_MARK)], ret()),
+        [with(vec![tcp(), mark(eq, INBOUND_TPROXY_MARK)], ret())],
     );
-    for (_, passthrough, _) in fams {
-        mangle.insert(
-            INBOUND,
-            1,
+    mangle.insert_each(
+        INBOUND,
+        1,
+        fams.iter().map(|(_, passthrough, _)| {
             with(
                 vec![
                     iface(IfField::Iifname, eq, "lo"),
@@ -598,19 +616,112 @@ fn tproxy_tail(t: &mut Tables, cfg: &SidecarConfig, fams: &[(IpNet, IpNet, bool)
                     addr(AddrField::Saddr, eq, *passthrough),
                 ],
                 ret(),
-            ),
-        );
-    }
-    mangle.insert(
+            )
+        }),
+    );
+    mangle.insert_each(
         INBOUND,
         2,
-        with(
+        [with(
             vec![
                 iface(IfField::Iifname, eq, "lo"),
                 tcp(),
                 mark(ne, OUTBOUND_MARK),
             ],
             ret(),
-        ),
+        )],
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::redirect::sidecar::{
+        INCLUDE_OUTBOUND_IP_RANGES, REROUTE_VIRTUAL_INTERFACES, config_from_annotations,
+    };
+
+    fn lines(table: &Table, chain: &str) -> Vec<String> {
+        table
+            .chain_rules(chain)
+            .map(|r| table.rule_line(r))
+            .collect()
+    }
+
+    /// The shape of the `annotations` fuzz finding: hundreds of interface names, most of them
+    /// repeated, times a list of ranges with repeats. Istio programs one rule per pair, each
+    /// inserted at the head of `prerouting`, duplicates included; so do we, in its order (the
+    /// last pair first), without the per-rule rescans that made this input take seconds.
+    #[test]
+    fn every_virtual_interface_and_range_pair_lands_in_istios_order() {
+        let names: Vec<String> = (0..600).map(|i| format!("veth{}", i % 60)).collect();
+        let nets: Vec<String> = (0..12).map(|i| format!("10.{}.0.0/16", i % 4)).collect();
+        let (names_v, nets_v) = (names.join(","), nets.join(","));
+        let cfg = config_from_annotations(|k| match k {
+            REROUTE_VIRTUAL_INTERFACES => Some(names_v.as_str()),
+            INCLUDE_OUTBOUND_IP_RANGES => Some(nets_v.as_str()),
+            _ => None,
+        })
+        .unwrap();
+        let rules = ruleset(&cfg);
+        let nat = rules.table(NAT_TABLE).unwrap();
+        let got = lines(nat, PREROUTING);
+
+        let head = |rest: &str| format!("add rule inet {NAT_TABLE} prerouting {rest}");
+        let mut want: Vec<String> = Vec::new();
+        for net in nets.iter().rev() {
+            for name in names.iter().rev() {
+                want.push(head(&format!(
+                    "iifname {name} ip daddr {net} counter jump istio-redirect"
+                )));
+            }
+        }
+        for name in names.iter().rev() {
+            want.push(head(&format!("iifname {name} counter return")));
+        }
+        want.push(head("meta l4proto tcp counter jump istio-inbound"));
+        assert_eq!(got.len(), 600 * 12 + 600 + 1);
+        assert_eq!(got, want);
+        // Every range is still captured from the pod's own traffic, once each.
+        assert_eq!(
+            lines(nat, OUT)
+                .iter()
+                .filter(|l| l.ends_with("jump istio-redirect") && l.contains("ip daddr 10."))
+                .count(),
+            12
+        );
+    }
+
+    /// A batch into a chain shorter than `index` lands as Istio's one-by-one inserts would: the
+    /// first entries after the chain's last rule in order until the chain reaches `index`, each
+    /// later one before its predecessor.
+    #[test]
+    fn a_batch_past_the_end_of_a_chain_lands_as_inserts_one_by_one_would() {
+        let named = |n: &str| vec![iface(IfField::Iifname, CmpOp::Eq, n)];
+        let mut t = Tbl {
+            name: NAT_TABLE,
+            rules: Vec::new(),
+        };
+        t.add(PREROUTING, named("r0"));
+        t.add(OUTPUT, named("o0"));
+        t.insert_each(PREROUTING, 2, ["x1", "x2", "x3", "x4"].map(named));
+        t.insert_each(OUTPUT, 0, ["y1", "y2"].map(named));
+        let order: Vec<String> = t
+            .rules
+            .iter()
+            .map(|r| format!("{} {}", r.chain, r.body()))
+            .collect();
+        assert_eq!(
+            order,
+            [
+                "prerouting iifname r0",
+                "prerouting iifname x1",
+                "prerouting iifname x4",
+                "prerouting iifname x3",
+                "prerouting iifname x2",
+                "output iifname y2",
+                "output iifname y1",
+                "output iifname o0",
+            ]
+        );
+    }
 }
