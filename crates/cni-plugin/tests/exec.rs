@@ -114,6 +114,7 @@ fn write_kubeconfig(dir: &Path, port: u16) {
 
 #[test]
 fn version_prints_supported_versions() {
+    dataplane::enter_test_group!();
     let out = run_plugin(&[("CNI_COMMAND", "VERSION")], "");
     assert_eq!(
         ok(&out),
@@ -123,6 +124,7 @@ fn version_prints_supported_versions() {
 
 #[test]
 fn no_command_prints_about_to_stderr() {
+    dataplane::enter_test_group!();
     let out = run_plugin(&[], "");
     assert_eq!(ok(&out), "");
     assert!(
@@ -140,6 +142,7 @@ fn no_command_prints_about_to_stderr() {
 
 #[test]
 fn missing_env_is_code_4_on_stdout() {
+    dataplane::enter_test_group!();
     let out = run_plugin(&[("CNI_COMMAND", "ADD")], "{}");
     assert_eq!(
         out.stdout,
@@ -153,6 +156,7 @@ fn missing_env_is_code_4_on_stdout() {
 
 #[test]
 fn bad_stdin_codes() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     assert_eq!(error_of(&add("", "not json"))["code"], 6);
     assert_eq!(error_of(&add("", r#"{"cniVersion":"1.0.0"}"#))["code"], 7);
@@ -169,6 +173,7 @@ fn bad_stdin_codes() {
 
 #[test]
 fn check_del_gc_status_and_unknown_commands() {
+    dataplane::enter_test_group!();
     let env = |cmd: &'static str| {
         vec![
             ("CNI_COMMAND", cmd),
@@ -204,6 +209,7 @@ fn check_del_gc_status_and_unknown_commands() {
 
 #[test]
 fn own_netns_is_refused_unless_overridden() {
+    dataplane::enter_test_group!();
     let me = format!("/proc/{}/ns/net", std::process::id());
     let env = |over: &'static str| {
         vec![
@@ -229,6 +235,7 @@ fn own_netns_is_refused_unless_overridden() {
 
 #[test]
 fn non_k8s_sandbox_passes_prev_result_through_byte_for_byte() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let a = agent(dir.path(), 500, "must not be called");
     let out = add("", &conf(dir.path(), true, Some(PREV)));
@@ -238,6 +245,7 @@ fn non_k8s_sandbox_passes_prev_result_through_byte_for_byte() {
 
 #[test]
 fn no_prev_result_prints_an_empty_result_of_the_config_version() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     assert_eq!(
         ok(&add("", &conf(dir.path(), false, None))),
@@ -252,6 +260,7 @@ fn no_prev_result_prints_an_empty_result_of_the_config_version() {
 
 #[test]
 fn own_agent_pod_passes_without_agent_or_kubeconfig() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=istio-system;K8S_POD_NAME=istio-cni-node-x7k2p";
     assert_eq!(ok(&add(args, &conf(dir.path(), true, Some(PREV)))), PREV);
@@ -262,6 +271,7 @@ fn own_agent_pod_passes_without_agent_or_kubeconfig() {
 
 #[test]
 fn excluded_namespace_passes_without_contacting_the_agent() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let a = agent(dir.path(), 500, "must not be called");
     let args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=coredns-1";
@@ -271,6 +281,7 @@ fn excluded_namespace_passes_without_contacting_the_agent() {
 
 #[test]
 fn ambient_disabled_passes_without_contacting_the_agent() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let a = agent(dir.path(), 500, "must not be called");
     // With ambient off the plugin reads the pod only to decide on sidecar redirection.
@@ -293,6 +304,7 @@ fn ambient_disabled_passes_without_contacting_the_agent() {
 
 #[test]
 fn unknown_cni_args_without_ignore_unknown_fail() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let e = error_of(&add(
         "K8S_POD_NAME=a;FOO=bar",
@@ -306,6 +318,7 @@ fn unknown_cni_args_without_ignore_unknown_fail() {
 
 #[test]
 fn agent_decisions_pass_and_the_request_is_our_v1_body() {
+    dataplane::enter_test_group!();
     for body in [
         r#"{"decision":"enrolled"}"#,
         r#"{"decision":"not-ambient","reason":"no selector matches"}"#,
@@ -331,6 +344,7 @@ fn agent_decisions_pass_and_the_request_is_our_v1_body() {
 
 #[test]
 fn no_prev_result_sends_null_ips() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let a = agent(dir.path(), 200, r#"{"decision":"enrolled"}"#);
     ok(&add(POD_ARGS, &conf(dir.path(), true, None)));
@@ -340,6 +354,7 @@ fn no_prev_result_sends_null_ips() {
 
 #[test]
 fn agent_error_status_fails_with_its_body() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let _a = agent(dir.path(), 500, "ztunnel did not ack pod default/web-0\n");
     let e = error_of(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV))));
@@ -352,6 +367,7 @@ fn agent_error_status_fails_with_its_body() {
 
 #[test]
 fn unreadable_decision_fails() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let _a = agent(dir.path(), 200, "OK");
     let e = error_of(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV))));
@@ -381,6 +397,7 @@ fn istio_agent(dir: &Path, cmdadd_status: u16) -> Server {
 
 #[test]
 fn istio_agent_gets_istios_exact_body_for_an_ambient_pod() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let api = api_server(json!({}), json!({"istio.io/dataplane-mode": "ambient"}));
     write_kubeconfig(dir.path(), api.port);
@@ -410,6 +427,7 @@ fn istio_agent_gets_istios_exact_body_for_an_ambient_pod() {
 
 #[test]
 fn istio_agent_not_ambient_pod_is_not_sent() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let api = api_server(
         json!({"istio.io/dataplane-mode": "none"}),
@@ -423,6 +441,7 @@ fn istio_agent_not_ambient_pod_is_not_sent() {
 
 #[test]
 fn istio_agent_failure_uses_istios_message() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let api = api_server(json!({"istio.io/dataplane-mode": "ambient"}), json!({}));
     write_kubeconfig(dir.path(), api.port);
@@ -436,6 +455,7 @@ fn istio_agent_failure_uses_istios_message() {
 
 #[test]
 fn istio_agent_with_failing_api_fails_closed() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let api = Server::tcp(|_| (503, b"etcd unavailable".to_vec()));
     write_kubeconfig(dir.path(), api.port);
@@ -460,6 +480,7 @@ fn istio_agent_with_failing_api_fails_closed() {
 
 #[test]
 fn agent_down_non_ambient_pod_starts() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let api = api_server(json!({"app": "web"}), json!({}));
     write_kubeconfig(dir.path(), api.port);
@@ -472,6 +493,7 @@ fn agent_down_non_ambient_pod_starts() {
 
 #[test]
 fn agent_down_ambient_pod_is_refused() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let api = api_server(json!({}), json!({"istio.io/dataplane-mode": "ambient"}));
     write_kubeconfig(dir.path(), api.port);
@@ -487,6 +509,7 @@ fn agent_down_ambient_pod_is_refused() {
 
 #[test]
 fn stale_socket_counts_as_agent_down() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     // A socket file nobody listens on: connect is refused.
     drop(std::os::unix::net::UnixListener::bind(dir.path().join("pluginevent.sock")).unwrap());
@@ -498,6 +521,7 @@ fn stale_socket_counts_as_agent_down() {
 
 #[test]
 fn agent_down_and_no_kubeconfig_fails_closed() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let e = error_of(&add(POD_ARGS, &conf(dir.path(), true, Some(PREV))));
     let msg = e["msg"].as_str().unwrap();
@@ -510,6 +534,7 @@ fn agent_down_and_no_kubeconfig_fails_closed() {
 
 #[test]
 fn agent_down_and_pod_missing_fails_closed() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let api = Server::tcp(|_| (404, br#"{"kind":"Status","reason":"NotFound"}"#.to_vec()));
     write_kubeconfig(dir.path(), api.port);
@@ -519,6 +544,7 @@ fn agent_down_and_pod_missing_fails_closed() {
 
 #[test]
 fn hung_agent_times_out_after_5s_then_falls_back() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let _a = agent(dir.path(), 0, "");
     let api = api_server(json!({"app": "web"}), json!({}));
@@ -536,6 +562,7 @@ fn hung_agent_times_out_after_5s_then_falls_back() {
 
 #[test]
 fn logs_are_forwarded_to_the_agent_log_socket() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let sink = Server::unix(&dir.path().join("log.sock"), |_| (200, vec![]));
     let _a = agent(dir.path(), 200, r#"{"decision":"enrolled"}"#);
@@ -569,6 +596,7 @@ fn logs_are_forwarded_to_the_agent_log_socket() {
 
 #[test]
 fn logs_the_agent_cannot_take_go_to_the_node_local_file() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("istio-cni.log");
     // The agent refuses the pod and its log server is down: the operator must still see why.
@@ -610,6 +638,7 @@ fn logs_the_agent_cannot_take_go_to_the_node_local_file() {
 
 #[test]
 fn a_symlinked_log_file_is_not_followed() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let victim = dir.path().join("victim");
     std::fs::write(&victim, "keep\n").unwrap();
@@ -676,6 +705,7 @@ fn ca_data(pem: &str) -> String {
 
 #[test]
 fn https_api_server_verified_with_the_kubeconfig_ca() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let (ca, chain, key) = mint_certs();
     let api = tls_api_server(&chain, &key);
@@ -694,6 +724,7 @@ fn https_api_server_verified_with_the_kubeconfig_ca() {
 
 #[test]
 fn https_api_server_with_a_foreign_ca_is_refused() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let (_, chain, key) = mint_certs();
     let (other_ca, _, _) = mint_certs();
@@ -713,6 +744,7 @@ fn https_api_server_with_a_foreign_ca_is_refused() {
 
 #[test]
 fn https_api_server_with_insecure_skip_tls_verify() {
+    dataplane::enter_test_group!();
     let dir = tempfile::tempdir().unwrap();
     let (_, chain, key) = mint_certs();
     let api = tls_api_server(&chain, &key);
@@ -726,6 +758,7 @@ fn https_api_server_with_insecure_skip_tls_verify() {
 
 #[test]
 fn huge_stdin_is_refused_without_reading_it_all() {
+    dataplane::enter_test_group!();
     // 64 MiB of valid JSON: only the size can make it fail.
     let filler = "a".repeat(64 << 20);
     let stdin = format!(r#"{{"cniVersion":"1.0.0","name":"n","type":"istio-cni","x":"{filler}"}}"#);
@@ -739,6 +772,7 @@ fn huge_stdin_is_refused_without_reading_it_all() {
 
 #[test]
 fn deeply_nested_stdin_is_a_decoding_error_not_a_stack_overflow() {
+    dataplane::enter_test_group!();
     let depth = 10_000;
     for (open, close) in [("[", "]"), (r#"{"a":"#, "}")] {
         let stdin = format!(

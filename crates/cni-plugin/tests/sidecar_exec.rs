@@ -117,6 +117,7 @@ fn assert_ok(out: &Output) {
 
 #[test]
 fn agent_sidecar_decision_programs_iptables_in_the_pod_netns() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let dir = tempfile::tempdir().unwrap();
     let ns = TestNetns::new("plug-sc");
@@ -144,6 +145,7 @@ fn agent_sidecar_decision_programs_iptables_in_the_pod_netns() {
 
 #[test]
 fn native_nftables_programs_nftables_and_tproxy_routing() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let dir = tempfile::tempdir().unwrap();
     let ns = TestNetns::new("plug-scn");
@@ -163,6 +165,7 @@ fn native_nftables_programs_nftables_and_tproxy_routing() {
 
 #[test]
 fn bad_annotation_fails_the_add_naming_pod_and_annotation() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     // (annotation, value, the bad item the message must name). Interface lists follow Istio's
     // ValidateInterfaceNames: an empty item, or one not starting with a letter, fails the ADD.
@@ -207,6 +210,7 @@ fn bad_annotation_fails_the_add_naming_pod_and_annotation() {
 
 #[test]
 fn agent_down_falls_back_to_the_api_server_for_a_sidecar_pod() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let dir = tempfile::tempdir().unwrap();
     let ns = TestNetns::new("plug-scd");
@@ -227,6 +231,7 @@ fn agent_down_falls_back_to_the_api_server_for_a_sidecar_pod() {
 
 #[test]
 fn ambient_disabled_reads_the_pod_and_programs_only_sidecar_pods() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let dir = tempfile::tempdir().unwrap();
     let ns = TestNetns::new("plug-sco");

@@ -1,6 +1,8 @@
 //! Helpers for tests that need root and real network namespaces (used by this crate's tests and
 //! by the agent's test kit).
 
+pub mod group_gate;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};

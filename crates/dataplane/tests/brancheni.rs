@@ -59,6 +59,7 @@ fn rules(ns: &TestNetns, v6: bool) -> String {
 
 #[test]
 fn branch_eni_pod_gets_forward_and_return_rules_removed_again() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let (host, _pod) = sgp_host();
     let netns = host.open();
@@ -103,6 +104,7 @@ fn branch_eni_pod_gets_forward_and_return_rules_removed_again() {
 
 #[test]
 fn plain_veth_pods_and_unknown_ips_are_not_branch_eni() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let (host, _pod) = sgp_host();
     let netns = host.open();
@@ -123,6 +125,7 @@ fn plain_veth_pods_and_unknown_ips_are_not_branch_eni() {
 
 #[test]
 fn early_demux_gate_reads_the_host_namespace() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let host = TestNetns::new("eni-demux");
     let netns = host.open();

@@ -51,6 +51,7 @@ fn touch_legacy(ns: &TestNetns) {
 
 #[test]
 fn empty_legacy_tables_never_win() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let host = TestNetns::new("ipt-det-empty");
     touch_legacy(&host);
@@ -67,6 +68,7 @@ fn empty_legacy_tables_never_win() {
 
 #[test]
 fn detection_touches_no_table_of_the_variant_it_does_not_choose() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let host = TestNetns::new("ipt-det-clean");
     let d = detect_in(&host, None);
@@ -80,6 +82,7 @@ fn detection_touches_no_table_of_the_variant_it_does_not_choose() {
 
 #[test]
 fn legacy_rules_choose_legacy() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let host = TestNetns::new("ipt-det-legacy");
     add_rules(&host, "legacy", true, 2);
@@ -93,6 +96,7 @@ fn legacy_rules_choose_legacy() {
 
 #[test]
 fn kubelet_hint_decides_in_each_variant_and_family() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     // (variant holding kubelet's chain, IPv6, chain); the other variant gets more rules.
     let cases = [
@@ -127,6 +131,7 @@ fn kubelet_hint_decides_in_each_variant_and_family() {
 
 #[test]
 fn forced_variant_wins_over_the_evidence() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let host = TestNetns::new("ipt-det-force");
     add_rules(&host, "legacy", false, 2);
@@ -145,6 +150,7 @@ fn forced_variant_wins_over_the_evidence() {
 
 #[test]
 fn pods_get_rules_only_in_the_nodes_variant() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     for (node_variant, other) in [("legacy", "nft"), ("nft", "legacy")] {
         let host = TestNetns::new("ipt-det-node");
@@ -187,6 +193,7 @@ fn istio_lines(text: &str) -> Vec<&str> {
 
 #[test]
 fn apply_verify_idempotent_and_remove() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     for (variant, b) in iptables_backends() {
         let ns = TestNetns::new("ipt-apply");
@@ -242,6 +249,7 @@ fn apply_verify_idempotent_and_remove() {
 
 #[test]
 fn drift_is_reported_and_replaced_without_touching_foreign_rules() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     for (variant, b) in iptables_backends() {
         let ns = TestNetns::new("ipt-drift");
@@ -329,6 +337,7 @@ fn drift_is_reported_and_replaced_without_touching_foreign_rules() {
 
 #[test]
 fn config_change_converges_to_the_new_rule_set() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     for (variant, b) in iptables_backends() {
         let ns = TestNetns::new("ipt-change");
@@ -374,6 +383,7 @@ fn config_change_converges_to_the_new_rule_set() {
 
 #[test]
 fn render_is_the_restore_input() {
+    dataplane::enter_test_group!();
     let b = IptablesBackend::new(
         dataplane::iptables::detect::Binaries {
             prefix: "iptables".into(),
@@ -443,6 +453,7 @@ fn legacy(version: (u32, u32, u32)) -> dataplane::iptables::detect::Binaries {
 
 #[test]
 fn legacy_pod_commands_take_the_pods_own_lock_by_env_and_by_bind_mount() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     // 1.8.6 and later get XTABLES_LOCKFILE; before, the file is bound over /run/xtables.lock in
     // the sandbox (the binary here is newer, but is not told the path, so it uses the global one).
@@ -462,6 +473,7 @@ fn legacy_pod_commands_take_the_pods_own_lock_by_env_and_by_bind_mount() {
 
 #[test]
 fn scoped_locking_off_leaves_pods_on_the_node_lock() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let dir = tempfile::tempdir().unwrap();
     let b = IptablesBackend::new(legacy((1, 8, 9)), Some(dir.path().to_owned()))
@@ -527,6 +539,7 @@ fn writer_cmd(ns: &str, tool: &str, args: &[&str], stdin: Option<&str>) {
 
 #[test]
 fn reapplying_under_concurrent_iptables_writers_stays_exact() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     const CHURN: usize = 120;
     let dns_on = InpodConfig::default();

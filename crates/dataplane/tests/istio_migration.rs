@@ -190,6 +190,7 @@ fn take_over_host(case: &str, golden: &str, cfg: &InpodConfig, variant: &str, b:
 
 #[test]
 fn rules_istio_programs_are_in_sync_and_kept() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let module = istio_pin::module_dir();
     let backends = iptables_backends();

@@ -30,6 +30,7 @@ fn all_iptables(ns: &TestNetns) -> String {
 
 #[test]
 fn iptables_pod_rules_of_either_variant_are_found_and_removed() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let leftovers = IptablesLeftovers::find();
     for variant in ["legacy", "nft"] {
@@ -72,6 +73,7 @@ fn iptables_pod_rules_of_either_variant_are_found_and_removed() {
 /// rules of the one in use are the pod's redirection.
 #[test]
 fn other_than_holds_only_the_variant_not_in_use() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     use dataplane::iptables::detect::Variant;
     let ns = TestNetns::new("left-var");
@@ -98,6 +100,7 @@ fn other_than_holds_only_the_variant_not_in_use() {
 
 #[test]
 fn nft_pod_tables_are_found_and_removed() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let ns = TestNetns::new("left-nft");
     let netns = ns.open();
@@ -114,6 +117,7 @@ fn nft_pod_tables_are_found_and_removed() {
 
 #[test]
 fn host_state_of_either_backend_is_found_and_removed() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let ns = TestNetns::new("left-host");
     let hostns = ns.open();

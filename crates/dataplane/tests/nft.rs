@@ -36,6 +36,7 @@ fn full_cfg() -> InpodConfig {
 
 #[test]
 fn apply_programs_the_rules_nft_can_read() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-apply");
     let backend = NftablesBackend::new();
@@ -70,6 +71,7 @@ fn apply_programs_the_rules_nft_can_read() {
 
 #[test]
 fn ipv6_and_virtual_interfaces_read_back_in_sync() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-v6");
     let backend = NftablesBackend::new();
@@ -102,6 +104,7 @@ fn ipv6_and_virtual_interfaces_read_back_in_sync() {
 
 #[test]
 fn apply_twice_is_idempotent_and_switching_config_replaces() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-idem");
     let backend = NftablesBackend::new();
@@ -139,6 +142,7 @@ fn apply_twice_is_idempotent_and_switching_config_replaces() {
 
 #[test]
 fn drift_is_reported_readably_and_apply_restores() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-drift");
     let backend = NftablesBackend::new();
@@ -226,6 +230,7 @@ fn drift_is_reported_readably_and_apply_restores() {
 
 #[test]
 fn a_dormant_table_is_drift_and_apply_wakes_it() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-dormant");
     let backend = NftablesBackend::new();
@@ -272,6 +277,7 @@ fn remembering(path: &std::path::Path) -> (NftablesBackend, std::sync::Arc<Gener
 
 #[test]
 fn a_namespace_remembered_in_sync_is_checked_again_after_any_change() {
+    dataplane::enter_test_group!();
     require_root!();
     let dir = tempfile::tempdir().unwrap();
     let journal = dir.path().join("generations");
@@ -333,6 +339,7 @@ fn a_namespace_remembered_in_sync_is_checked_again_after_any_change() {
 
 #[test]
 fn foreign_tables_are_left_alone() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-foreign");
     ns.exec("nft", &["add", "table", "inet", "someone-else"]);
@@ -360,6 +367,7 @@ fn foreign_tables_are_left_alone() {
 
 #[test]
 fn remove_leaves_no_table_and_tolerates_absence() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-remove");
     let backend = NftablesBackend::new();
@@ -374,6 +382,7 @@ fn remove_leaves_no_table_and_tolerates_absence() {
 
 #[test]
 fn a_failing_batch_applies_nothing() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-atomic");
     let backend = NftablesBackend::new();
@@ -414,6 +423,7 @@ fn a_failing_batch_applies_nothing() {
 
 #[test]
 fn concurrent_applies_on_distinct_namespaces_do_not_cross_talk() {
+    dataplane::enter_test_group!();
     require_root!();
     const N: usize = 50;
     let namespaces: Vec<TestNetns> = (0..N).map(|_| TestNetns::new("nft-conc")).collect();
@@ -448,6 +458,7 @@ fn concurrent_applies_on_distinct_namespaces_do_not_cross_talk() {
 /// rules must land in its own namespace, not in one a previous job on the same thread entered.
 #[test]
 fn detached_jobs_in_turn_each_write_their_own_namespace() {
+    dataplane::enter_test_group!();
     require_root!();
     let namespaces: Vec<TestNetns> = (0..4).map(|_| TestNetns::new("nft-detached")).collect();
     let cfg_of = |i: usize| InpodConfig {
@@ -489,6 +500,7 @@ fn host_cfg(ipv6: bool) -> HostProbeConfig {
 /// re-apply repairs it keeping the entries the sets still hold.
 #[test]
 fn host_rules_verified_against_flushes_and_foreign_rules() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-hostv");
     let host = ns.open();
@@ -549,6 +561,7 @@ fn host_rules_verified_against_flushes_and_foreign_rules() {
 
 #[test]
 fn host_rules_and_probe_sets() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-host");
     let host = ns.open();
@@ -653,6 +666,7 @@ fn numbered_entries(net: u8, uids: &[String]) -> Vec<(IpAddr, &str)> {
 /// acks (`ENOBUFS`) and failed the restore.
 #[test]
 fn many_probe_entries_restore_and_restore_again() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-host-many");
     let host = ns.open();
@@ -714,6 +728,7 @@ fn many_probe_entries_restore_and_restore_again() {
 /// as many others. Seen in CI: 10 entries listed as 14 right after pruning 290.
 #[test]
 fn a_probe_set_listed_while_it_resizes_holds_each_address_once() {
+    dataplane::enter_test_group!();
     require_root!();
     let ns = TestNetns::new("nft-host-resize");
     let host = ns.open();

@@ -9,6 +9,7 @@ use dataplane::{BackendOptions, RuleBackend, pod};
 
 #[test]
 fn unknown_backend_is_refused() {
+    dataplane::enter_test_group!();
     let Err(e) = RuleBackend::new("ebpf", &BackendOptions::default()) else {
         panic!("accepted")
     };
@@ -17,6 +18,7 @@ fn unknown_backend_is_refused() {
 
 #[test]
 fn enroll_verify_unenroll_each_backend() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     for name in ["iptables", "nftables"] {
         let b = RuleBackend::new(
@@ -123,6 +125,7 @@ impl InpodRules for Failing {
 
 #[test]
 fn failed_enroll_of_a_fresh_pod_leaves_no_routes() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let ns = TestNetns::new("podfail");
     let netns = ns.open();
@@ -134,6 +137,7 @@ fn failed_enroll_of_a_fresh_pod_leaves_no_routes() {
 
 #[test]
 fn lo_without_ipv6_gets_no_ipv6_local_route() {
+    dataplane::enter_test_group!();
     use dataplane::routes::{self, RoutePiece};
     dataplane::require_root!();
     let ns = TestNetns::new("noip6");
