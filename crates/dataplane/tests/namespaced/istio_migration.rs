@@ -7,9 +7,9 @@
 //! the calls the agent makes. Both iptables variants. A rule of Istio's that we removed or
 //! rewrote here would be a gap in redirection during a migration.
 //!
-//! Run (root): `cargo test -p dataplane --test istio_migration`.
+//! Run (root): `cargo test -p dataplane --test namespaced istio_migration::`.
 
-#[path = "../../cni-core/tests/support/istio_pin.rs"]
+#[path = "../../../cni-core/tests/support/istio_pin.rs"]
 mod istio_pin;
 
 use cni_core::redirect::ambient::InpodConfig;

@@ -1,7 +1,7 @@
 //! The built `istio-cni` binary, exec'd the way a runtime execs it (env + stdin), against real
 //! in-test peers: an agent on a unix socket, an API server on 127.0.0.1, a log sink.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 

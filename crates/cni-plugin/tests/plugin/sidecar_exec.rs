@@ -2,11 +2,7 @@
 //! the agent is down or ambient is off) hands over an injected Pod, and the plugin must leave the
 //! redirect rules in a real network namespace, or fail the ADD naming the pod and annotation.
 
-#[expect(
-    dead_code,
-    reason = "the shared peers module also serves exec.rs, which uses all of it"
-)]
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::Command;
