@@ -147,14 +147,22 @@ pub async fn run(
     let run_dir = install.run_dir.clone();
     let mut installer = Installer::new(install).count_results(metrics.installs.clone());
     let mut install_ready = installer.readiness();
+    let mut install_failure = installer.failure();
     {
         let (flag, metrics) = (install_flag.clone(), metrics.clone());
         tokio::spawn(async move {
             loop {
                 let ready = *install_ready.borrow_and_update();
-                flag.set(ready);
+                match install_failure.borrow_and_update().clone() {
+                    Some(reason) => flag.fail(reason),
+                    None => flag.set(ready),
+                }
                 metrics.install_ready.set(i64::from(ready));
-                if install_ready.changed().await.is_err() {
+                let changed = tokio::select! {
+                    r = install_ready.changed() => r,
+                    r = install_failure.changed() => r,
+                };
+                if changed.is_err() {
                     return;
                 }
             }
@@ -217,9 +225,10 @@ pub async fn run(
     };
     install_flag.set(false);
 
-    // Only a requested stop can be an uninstall. An agent that fails (a full disk, an unwritable
-    // bin dir) is restarted by the kubelet: unchaining the plugin on the way out would let new
-    // ambient pods start unredirected until then, so the node stays as it is (fail closed).
+    // Only a requested stop can be an uninstall. An agent that fails (the installer's files are
+    // retried in place, so a configuration error or a lost inotify instance) is restarted by the
+    // kubelet: unchaining the plugin on the way out would let new ambient pods start
+    // unredirected until then, so the node stays as it is (fail closed).
     let full_cleanup = requested
         && match &node {
             None => true,

@@ -205,20 +205,22 @@ impl HostDir {
                 });
             }
         };
+        // Errors name the file being replaced, not the temp file: its random suffix would make
+        // every retry's message differ, and the operator looks for the file they know.
         let (tmp_name, fd) = self.create_temp(name)?;
         let result = (|| {
             fchmod(fd.as_fd(), Mode::from_bits_truncate(mode))
-                .map_err(|e| self.io("chmod", &tmp_name, e))?;
+                .map_err(|e| self.io("chmod", name, e))?;
             let mut file = File::from(fd);
             let io_err = |source| HostFsError::Io {
                 op: "write",
-                path: self.join(&tmp_name),
+                path: self.join(name),
                 source,
             };
             fill(&mut file).map_err(io_err)?;
             file.sync_all().map_err(io_err)?;
             renameat(self.fd.as_fd(), tmp_name.as_str(), self.fd.as_fd(), name)
-                .map_err(|e| self.io("rename", &tmp_name, e))
+                .map_err(|e| self.io("rename", name, e))
         })();
         if result.is_err() {
             let _ = unlinkat(
@@ -251,7 +253,7 @@ impl HostDir {
             ) {
                 Ok(fd) => return Ok((tmp, fd)),
                 Err(Errno::EEXIST) => last = Errno::EEXIST,
-                Err(e) => return Err(self.io("create", &tmp, e)),
+                Err(e) => return Err(self.io("create", name, e)),
             }
         }
         Err(self.io("create", name, last))

@@ -1,8 +1,8 @@
 //! Health (`:8000` `/healthz`, `/readyz`) and metrics (`:15014` `/metrics`) endpoints.
 //!
 //! Readiness is the conjunction of named conditions (installer, watches, ZDS server, ...), and
-//! `/readyz` names the ones that are false: unlike Istio's, it is never green while a part the node
-//! depends on is down.
+//! `/readyz` names the ones that are false, each with its reason when it has one: unlike Istio's,
+//! it is never green while a part the node depends on is down.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -17,7 +17,8 @@ use prometheus_client::registry::Registry;
 /// The named conditions that must all hold for the agent to be ready.
 #[derive(Default)]
 pub struct Readiness {
-    conditions: Mutex<BTreeMap<&'static str, bool>>,
+    /// Each condition: `Ok` when it holds, else why not, when known.
+    conditions: Mutex<BTreeMap<&'static str, Result<(), Option<String>>>>,
     /// Settings the agent cannot honour, named under the status whatever it is.
     unhonoured: Mutex<Vec<String>>,
 }
@@ -31,11 +32,20 @@ pub struct ReadyFlag {
 
 impl ReadyFlag {
     pub fn set(&self, ready: bool) {
+        self.update(if ready { Ok(()) } else { Err(None) });
+    }
+
+    /// Not ready because of `reason`, which `/readyz` shows after the condition's name.
+    pub fn fail(&self, reason: String) {
+        self.update(Err(Some(reason)));
+    }
+
+    fn update(&self, state: Result<(), Option<String>>) {
         self.readiness
             .conditions
             .lock()
             .unwrap()
-            .insert(self.name, ready);
+            .insert(self.name, state);
     }
 }
 
@@ -46,7 +56,7 @@ impl Readiness {
 
     /// Adds a condition, initially false.
     pub fn condition(self: &Arc<Self>, name: &'static str) -> ReadyFlag {
-        self.conditions.lock().unwrap().insert(name, false);
+        self.conditions.lock().unwrap().insert(name, Err(None));
         ReadyFlag {
             name,
             readiness: self.clone(),
@@ -63,14 +73,27 @@ impl Readiness {
         let conditions = self.conditions.lock().unwrap();
         conditions
             .iter()
-            .filter(|(_, ok)| !**ok)
+            .filter(|(_, state)| state.is_err())
             .map(|(name, _)| *name)
+            .collect()
+    }
+
+    /// The false conditions as `/readyz` names them: `name` or `name (reason)`.
+    fn not_ready_described(&self) -> Vec<String> {
+        let conditions = self.conditions.lock().unwrap();
+        conditions
+            .iter()
+            .filter_map(|(name, state)| match state {
+                Ok(()) => None,
+                Err(None) => Some(name.to_string()),
+                Err(Some(reason)) => Some(format!("{name} ({reason})")),
+            })
             .collect()
     }
 }
 
 async fn readyz(State(readiness): State<Arc<Readiness>>) -> impl IntoResponse {
-    let waiting = readiness.not_ready();
+    let waiting = readiness.not_ready_described();
     let (status, mut body) = if waiting.is_empty() {
         (StatusCode::OK, "ok\n".to_string())
     } else {
@@ -149,6 +172,17 @@ mod tests {
         install.set(true);
         let (code, body) = get_text(health_router(readiness.clone()), "/readyz").await;
         assert_eq!((code, body.as_str()), (503, "not ready: zds\n"));
+
+        install.fail("writing kubeconfig: write /run/k: No space left on device".into());
+        let (code, body) = get_text(health_router(readiness.clone()), "/readyz").await;
+        assert_eq!(
+            (code, body.as_str()),
+            (
+                503,
+                "not ready: installer (writing kubeconfig: write /run/k: No space left on device), zds\n"
+            )
+        );
+        install.set(true);
 
         zds.set(true);
         assert_eq!(

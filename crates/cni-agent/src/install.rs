@@ -3,7 +3,8 @@
 //! One pass ([`Installer::install_all`]) copies the binaries, writes the plugin kubeconfig and,
 //! unless the on-disk config is already right, (re)writes the CNI config. [`Installer::run`] then
 //! watches the conf dir, the installed binaries and the service account dir and repeats the pass
-//! whenever something changes, throttled (see [`throttle`]).
+//! whenever something changes, throttled (see [`throttle`]). A pass that fails is retried in
+//! place with backoff while readiness names the error ([`retry`]).
 //!
 //! Differences from Istio, on purpose:
 //! - Chained mode without `CNI_CONF_NAME` follows the highest-priority config: when another CNI
@@ -23,6 +24,7 @@ pub mod binaries;
 pub mod config;
 pub mod discovery;
 pub mod kubeconfig;
+pub mod retry;
 pub mod throttle;
 pub mod watch;
 
@@ -62,6 +64,21 @@ pub enum InstallError {
     Cleanup(Vec<String>),
 }
 
+impl InstallError {
+    /// Errors a retry cannot fix, which still end the installer: the agent's own configuration,
+    /// and the inotify instance (a new process gets a new one, as Istio's agent does). Everything
+    /// else is the host's files (a full disk, an I/O error, a directory replaced) and is retried.
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            InstallError::Kubeconfig(
+                kubeconfig::KubeconfigError::MissingHost | kubeconfig::KubeconfigError::MissingPort
+            ) | InstallError::HostFs(HostFsError::BadName { .. })
+                | InstallError::Watch(_)
+        )
+    }
+}
+
 /// The config file this installer wrote, and for the owned file, the primary it was derived from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Written {
@@ -74,6 +91,8 @@ pub struct Installer {
     written: Option<Written>,
     installed_bins: Vec<String>,
     ready: tokio_watch::Sender<bool>,
+    /// The error of the failing pass being retried, `None` while passes succeed.
+    failing: tokio_watch::Sender<Option<String>>,
     results: Option<InstallResults>,
 }
 
@@ -104,6 +123,7 @@ impl Installer {
             written: None,
             installed_bins: Vec::new(),
             ready: tokio_watch::Sender::new(false),
+            failing: tokio_watch::Sender::new(None),
             results: None,
         }
     }
@@ -128,6 +148,11 @@ impl Installer {
     /// change is pending.
     pub fn readiness(&self) -> tokio_watch::Receiver<bool> {
         self.ready.subscribe()
+    }
+
+    /// Why the installer is not ready while a failed pass is retried (the error names the file).
+    pub fn failure(&self) -> tokio_watch::Receiver<Option<String>> {
+        self.failing.subscribe()
     }
 
     pub fn config(&self) -> &InstallConfig {
@@ -189,12 +214,13 @@ impl Installer {
             .expect("a config is in place after install"))
     }
 
-    /// Installs, then keeps the installation in place until an error (the caller stops it by
-    /// dropping the future, e.g. in a `select!` with the shutdown signal, then runs [`cleanup`]).
+    /// Installs, then keeps the installation in place until an error a retry cannot fix (the
+    /// caller stops it by dropping the future, e.g. in a `select!` with the shutdown signal, then
+    /// runs [`cleanup`]). A failing pass is retried in place ([`retry`]).
     ///
     /// [`cleanup`]: Installer::cleanup
     pub async fn run(&mut self) -> Result<(), InstallError> {
-        self.install_all().await?;
+        self.install_retrying().await?;
         let mut throttle = Throttle::new(THROTTLE_PERIOD);
         loop {
             let d = throttle.reserve(Instant::now());
@@ -213,8 +239,20 @@ impl Installer {
             }
             tokio::time::sleep(d.sleep).await;
             self.sleep_watch_install().await?;
-            self.install_all().await?;
+            self.install_retrying().await?;
         }
+    }
+
+    async fn install_retrying(&mut self) -> Result<PathBuf, InstallError> {
+        let failing = self.failing.clone();
+        retry::until_done(
+            self,
+            &failing,
+            retry::BACKOFF,
+            InstallError::is_fatal,
+            |installer| Box::pin(installer.install_all()),
+        )
+        .await
     }
 
     /// Returns when something we depend on changed (or the config no longer checks out).

@@ -849,35 +849,110 @@ async fn upgrade_keeps_plugin_in_place_and_uninstall_removes_it() {
     assert!(!node.path("bin/istio-cni").exists());
 }
 
-/// No DaemonSet exists, so a requested stop here would uninstall; an agent that fails is no
-/// uninstall: it leaves the plugin chained, so ambient pods wait for its restart.
+/// The installer's writes fail while no DaemonSet exists (an agent that exited would find no
+/// upgrade to keep the plugin for): first the plugin's kubeconfig, its run dir made immutable
+/// (`chattr +i`, which stops root too), then the plugin's copy, its bin dir replaced by a file.
+/// Each time the agent stays up, not ready naming the file, enrolls ambient pods meanwhile and
+/// keeps the plugin chained, and is ready again once the file can be written: one process
+/// throughout, never restarted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failing_agent_leaves_the_plugin_chained() {
+async fn an_installer_write_failure_is_retried_in_place() {
     dataplane::require_root!();
     let mut node = TestNode::start(Backend::Nftables).await;
-    let _peer = fast_peer(&node);
-    assert!(node.conflist().contains("istio-cni"));
-    // The installer's next pass cannot copy the plugin: its bin dir is now a file.
+    let peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let agent = node.agent_pid();
+
+    // The same token written again: the installer rewrites the kubeconfig, which is refused.
+    let immutable = Immutable::set(node.path("run"));
+    let token = std::fs::read(node.path("sa/token")).unwrap();
+    std::fs::write(node.path("sa/token"), token).unwrap();
+    let kubeconfig = node.path("run/istio-cni-kubeconfig");
+    let reason = installer_failing(&mut node, &kubeconfig.display().to_string()).await;
+    assert!(reason.contains("Operation not permitted"), "{reason}");
+    let (pod, r) = node.create_pod("mesh", "while-failing", &[]).await;
+    r.unwrap_or_else(|e| {
+        panic!(
+            "ambient ADD while the installer fails: {e}\n{}",
+            node.agent_log()
+        )
+    });
+    wait_peer_has(&peer, &pod.uid, true).await;
+    let metrics = metrics_once(&node, |m| m.contains("CREATE_KUBECONFIG_FAILURE")).await;
+    assert!(
+        metrics.contains("istio_cni_installs_total{result=\"CREATE_KUBECONFIG_FAILURE\"}")
+            && metrics.contains("istio_cni_install_ready 0"),
+        "{metrics}"
+    );
+    drop(immutable);
+    node.wait_ready().await;
+    assert_eq!(node.agent_pid(), agent, "the agent was restarted");
+
+    // The plugin's copy fails: its bin dir is now a file.
     std::fs::rename(node.path("bin"), node.path("bin.moved")).unwrap();
     std::fs::write(node.path("bin"), "not a directory").unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let status = loop {
+    let bin = node.path("bin").display().to_string();
+    installer_failing(&mut node, &bin).await;
+    assert!(
+        node.conflist().contains("istio-cni"),
+        "a failing installer unchained the plugin:\n{}",
+        node.agent_log()
+    );
+    std::fs::remove_file(node.path("bin")).unwrap();
+    std::fs::rename(node.path("bin.moved"), node.path("bin")).unwrap();
+    node.wait_ready().await;
+    assert_eq!(node.agent_pid(), agent, "the agent was restarted");
+    assert!(node.agent_exited().is_none());
+}
+
+/// A directory with the immutable attribute, in which nobody (root included) creates a file,
+/// until dropped.
+struct Immutable(std::path::PathBuf);
+
+impl Immutable {
+    fn set(dir: std::path::PathBuf) -> Immutable {
+        chattr(&dir, "+i");
+        Immutable(dir)
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        chattr(&self.0, "-i");
+    }
+}
+
+fn chattr(path: &std::path::Path, flag: &str) {
+    let status = std::process::Command::new("chattr")
+        .arg(flag)
+        .arg(path)
+        .status()
+        .expect("chattr (e2fsprogs)");
+    assert!(status.success(), "chattr {flag} {}", path.display());
+}
+
+/// Waits until `/readyz` says the installer is failing on `file` (its error names it); returns
+/// the body. The agent must stay up meanwhile.
+async fn installer_failing(node: &mut TestNode, file: &str) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some((503, body)) = node.readyz()
+            && body.contains("installer (")
+            && body.contains(file)
+        {
+            return body;
+        }
         if let Some(status) = node.agent_exited() {
-            break status;
+            panic!("the agent exited with {status}:\n{}", node.agent_log());
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "the agent kept running without its bin dir:\n{}",
+            "/readyz never named {file}: {:?}\n{}",
+            node.readyz(),
             node.agent_log()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(!status.success(), "{}", node.agent_log());
-    assert!(
-        node.conflist().contains("istio-cni"),
-        "a failing agent unchained the plugin:\n{}",
-        node.agent_log()
-    );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
