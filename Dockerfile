@@ -4,7 +4,7 @@
 #   docker build -t <registry>/istio-cni-rs/install-cni:<tag> .
 #   docker buildx build --platform linux/amd64,linux/arm64 -t <registry>/istio-cni-rs/install-cni:<tag> --push .
 # (podman/buildah work the same; see docs/install.md.) The final image has the layout of the
-# engine-free one `scripts/node-images` builds (crates/testbed/tests/image_layout.rs compares them).
+# engine-free one `scripts/node-images` builds (crates/testbed/tests/no_root/image_layout.rs compares them).
 
 ARG RUST_VERSION=1.95
 ARG DEBIAN_RELEASE=bookworm

@@ -1,7 +1,7 @@
 //! The agent's log output in Istio's format (`istio.io/istio/pkg/log`, zap underneath), driven by
 //! Istio's flags (see [`LogArgs`]), so log pipelines and alerts written for Istio's agent keep
 //! working. `tools/istio/log-golden` writes the same records through Istio's own logger and
-//! `tests/log_format.rs` compares the two line by line.
+//! `tests/agent/log_format.rs` compares the two line by line.
 //!
 //! - Text: `time<TAB>level<TAB>scope<TAB>[caller<TAB>]msg[<TAB>k=v k=v]`, then the stack on the
 //!   next lines. The `default` scope prints no scope column.
@@ -82,7 +82,7 @@ pub struct LogArgs {
 }
 
 /// The scopes Istio's install-cni registers (`log-golden scopes`, checked by
-/// `tests/log_format.rs`): the names its log flags accept.
+/// `tests/agent/log_format.rs`): the names its log flags accept.
 pub const ISTIO_SCOPES: &[&str] = &[
     "ads",
     "cni-agent",
@@ -451,7 +451,7 @@ impl IstioLog {
     /// trace level, but every other scope for *all* its records once that level reaches error
     /// (`cni-agent:error` puts a stack on info records too). It tells the scopes apart by
     /// pointer, and `WithLabels` returns a copy: a `default` record with labels counts as
-    /// another scope's. tests/log_format.rs holds us to all of it.
+    /// another scope's. tests/agent/log_format.rs holds us to all of it.
     fn stack(&self, scope: &str, level: Level, labelled: bool) -> Option<String> {
         let threshold = if scope == DEFAULT_SCOPE && !labelled {
             level

@@ -2,7 +2,7 @@
 //! own agent (its `cni` chart read from the pinned module, its binaries built from it into
 //! `localhost/istio/install-cni:dev-distroless` by `scripts/node-images`), and the switch between the two.
 //! Pods, the witness, the peer's view and the iptables rules of a pod or of the node, as the
-//! tests of `tests/real_node_iptables.rs` and `tests/istio_agent.rs` check them.
+//! tests of `tests/on_real_node/real_node_iptables.rs` and `tests/istio_on_real_node/istio_agent.rs` check them.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -1,5 +1,5 @@
 //! What a live switch of the CNI agent (Istio's ↔ ours, one backend ↔ the other) does to a real
-//! node's pods, measured while it happens (issue #22, `tests/migration.rs`):
+//! node's pods, measured while it happens (issue #22, `tests/istio_on_real_node/migration.rs`):
 //!
 //! - [`Prober`]: from inside each ambient pod's network namespace, a connection attempt every
 //!   100 ms to a [`Witness`] on the node. The witness answers each connection with the address it

@@ -1,7 +1,7 @@
 // log-golden writes a fixed set of log records through Istio's own logger (istio.io/istio/pkg/log),
 // configured from Istio's logging flags and with the scopes install-cni registers, and passes a
 // batch of plugin records through install-cni's own log.sock server. Its output is the golden
-// that crates/cni-agent/tests/log_format.rs compares our logger with, record by record.
+// that crates/cni-agent/tests/agent/log_format.rs compares our logger with, record by record.
 //
 // tools/istio/build.sh builds it inside the pinned Istio module (an -overlay adds this file there),
 // so Istio's go.mod and its exact dependency versions apply.
