@@ -5,6 +5,7 @@
 
 pub mod ambient;
 pub mod iptables;
+pub mod multiset;
 pub mod nft;
 pub mod sidecar;
 

@@ -10,7 +10,7 @@ pub mod detect;
 pub mod exec;
 pub mod sandbox;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -20,6 +20,7 @@ use cni_core::redirect::iptables::{
     CHAIN_PREFIX, Family, ParseError, Rule, TablesState, jump_target,
     replace_restore_text_claiming, restore_text,
 };
+use cni_core::redirect::multiset;
 
 use self::detect::{Binaries, DetectError, Reason};
 use self::exec::{ExecError, Runner};
@@ -128,6 +129,7 @@ fn is_istio_jump(rule: &str) -> bool {
 fn claimed_in(state: &TablesState, claims: &Claims) -> Vec<(String, String, String)> {
     let mut out = Vec::new();
     for ((table, chain), wanted) in claims {
+        let wanted: HashSet<&String> = wanted.iter().collect();
         for rule in state.chain(table, chain).into_iter().flatten() {
             if wanted.contains(rule) && !is_istio_jump(rule) {
                 out.push((table.clone(), chain.clone(), rule.clone()));
@@ -145,10 +147,15 @@ pub fn owned_claiming(state: &TablesState, claims: &Claims) -> Owned {
             if chain.starts_with(CHAIN_PREFIX) {
                 out.insert((table.clone(), chain.clone()), rules.clone());
             } else {
-                let claimed = claims.get(&(table.clone(), chain.clone()));
+                // A set: a pod's annotations can put thousands of claimed rules in a chain.
+                let claimed: HashSet<&String> = claims
+                    .get(&(table.clone(), chain.clone()))
+                    .into_iter()
+                    .flatten()
+                    .collect();
                 let jumps: Vec<String> = rules
                     .iter()
-                    .filter(|r| is_istio_jump(r) || claimed.is_some_and(|c| c.contains(r)))
+                    .filter(|r| is_istio_jump(r) || claimed.contains(r))
                     .cloned()
                     .collect();
                 if !jumps.is_empty() {
@@ -180,16 +187,7 @@ pub fn compare(current: &Owned, desired: &Owned) -> RuleState {
                 drift.missing.extend(want.iter().map(|r| fmt(key, r)));
             }
             Some(have) if have != want => {
-                let mut missing: Vec<&String> = Vec::new();
-                let mut spare: Vec<&String> = have.iter().collect();
-                for r in want {
-                    match spare.iter().position(|h| *h == r) {
-                        Some(i) => {
-                            spare.remove(i);
-                        }
-                        None => missing.push(r),
-                    }
-                }
+                let (missing, spare) = multiset::diff(want.iter().collect(), have.iter().collect());
                 if missing.is_empty() && spare.is_empty() {
                     // Same rules, different order: show both orders.
                     drift.missing.extend(want.iter().map(|r| fmt(key, r)));
@@ -742,5 +740,40 @@ mod tests {
             source: Box::new(IptablesError::Contended(failed(1, "line 3 failed"))),
         };
         assert!(contended.contended());
+    }
+
+    /// The shape of the `annotations` fuzz finding on the iptables side: a `PREROUTING` of
+    /// thousands of rules (virtual interfaces × ranges, most repeated) of which one is missing
+    /// and one foreign; the drift names exactly those two, and the returns of ours among the
+    /// jumps are found as ours.
+    #[test]
+    fn a_drifted_chain_of_thousands_of_repeated_rules_reports_only_what_differs() {
+        let rules: Vec<String> = (0..6_000)
+            .map(|i| format!("-d 10.{}.0.0/16 -i veth{} -j ISTIO_REDIRECT", i % 4, i % 60))
+            .chain((0..300).map(|i| format!("-i veth{} -j RETURN", i % 60)))
+            .collect();
+        let mut live = TablesState::default();
+        let nat = live.tables.entry("nat".into()).or_default();
+        nat.insert("PREROUTING".into(), rules.clone());
+        let claims = Claims::from([(
+            ("nat".to_string(), "PREROUTING".to_string()),
+            rules[6_000..].to_vec(),
+        )]);
+        let desired = owned_claiming(&live, &claims);
+        assert_eq!(desired.values().map(Vec::len).sum::<usize>(), 6_300);
+        assert_eq!(claimed_in(&live, &claims).len(), 300);
+
+        let prerouting = live
+            .tables
+            .get_mut("nat")
+            .and_then(|t| t.get_mut("PREROUTING"))
+            .unwrap();
+        let gone = prerouting.remove(7);
+        prerouting.push("-j ISTIO_INBOUND".into());
+        let RuleState::Drifted(drift) = compare(&owned_claiming(&live, &claims), &desired) else {
+            panic!("a missing and a foreign rule are drift");
+        };
+        assert_eq!(drift.missing, [format!("-t nat -A PREROUTING {gone}")]);
+        assert_eq!(drift.unexpected, ["-t nat -A PREROUTING -j ISTIO_INBOUND"]);
     }
 }
