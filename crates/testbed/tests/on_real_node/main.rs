@@ -8,5 +8,6 @@
 
 mod observability;
 mod real_node;
+mod real_node_drift;
 mod real_node_iptables;
 mod two_nodes;

@@ -615,6 +615,7 @@ async fn replace_sandbox_unchained(node: &RealNode, backend: Backend, name: &str
 /// again in its new netns with its new IP, by our ADD or, when none reached us, by the drift check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_flushes_and_replaced_sandboxes_keep_probes_and_redirection() {
+    dataplane::enter_test_group!();
     dataplane::require_root!();
     let _one = ONE_NODE.lock().await;
     let began = Instant::now();
@@ -801,6 +802,7 @@ async fn host_flushes_and_replaced_sandboxes_keep_probes_and_redirection() {
 
 #[test]
 fn addresses_are_matched_whole() {
+    dataplane::enter_test_group!();
     assert!(mentions("elements = { 10.244.0.5 }", "10.244.0.5"));
     assert!(!mentions("elements = { 10.244.0.50 }", "10.244.0.5"));
     assert!(!mentions("110.244.0.5", "10.244.0.5"));
