@@ -6,6 +6,11 @@
 set -euo pipefail
 version=0.5.9
 cache="${CARGO_CYCLONEDX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-rs/cargo-cyclonedx}/${version}"
+mkdir -p "$(dirname "$cache")"
+# One build at a time: scripts/test builds the tools in the background while its steps and
+# tests call this for the path; a caller waits here for a build under way instead of racing it.
+exec 9>"$cache.lock"
+flock 9
 
 if [ -x "$cache/bin/cargo-cyclonedx" ]; then
   echo "cargo-cyclonedx: cached at $cache/bin/cargo-cyclonedx" >&2

@@ -15,6 +15,10 @@ k8s_minor=${k8s_minor%%.*}
 cache="${HELM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-rs/helm}/${version}-k8s1.${k8s_minor}"
 mkdir -p "$cache"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
+# One build at a time: scripts/test builds the tools in the background while its steps and
+# tests call this for the path; a caller waits here for a build under way instead of racing it.
+exec 9>"$cache.lock"
+flock 9
 
 if [ -x "$cache/helm" ]; then
   echo "helm: cached at $cache/helm" >&2

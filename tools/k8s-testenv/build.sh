@@ -9,6 +9,10 @@ etcd_version=$(awk '/^require go.etcd.io\/etcd\/server\/v3 /{print $3}' "$here/e
 cache="${K8S_TESTENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-rs/k8s}/${k8s_version}-etcd-${etcd_version}"
 mkdir -p "$cache"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
+# One build at a time: scripts/test builds the tools in the background while its steps and
+# tests call this for the path; a caller waits here for a build under way instead of racing it.
+exec 9>"$cache.lock"
+flock 9
 
 build() { # name module-dir package
   local name=$1 dir=$2 pkg=$3

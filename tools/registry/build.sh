@@ -9,6 +9,10 @@ version=$(awk '/^require github.com\/distribution\/distribution\/v3 /{print $3}'
 cache="${REGISTRY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-rs/registry}/${version}"
 mkdir -p "$cache"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
+# One build at a time: scripts/test builds the tools in the background while its steps and
+# tests call this for the path; a caller waits here for a build under way instead of racing it.
+exec 9>"$cache.lock"
+flock 9
 
 if [ -x "$cache/registry" ]; then
   echo "registry: cached at $cache/registry" >&2

@@ -10,6 +10,10 @@ version=$(awk '/^require github.com\/anchore\/syft /{print $3}' "$here/go.mod")
 cache="${SYFT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-rs/syft}/${version}"
 mkdir -p "$cache"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
+# One build at a time: scripts/test builds the tools in the background while its steps and
+# tests call this for the path; a caller waits here for a build under way instead of racing it.
+exec 9>"$cache.lock"
+flock 9
 
 if [ -x "$cache/syft" ]; then
   echo "syft: cached at $cache/syft" >&2
