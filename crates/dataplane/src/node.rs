@@ -7,7 +7,8 @@
 //!
 //! The other backend's state (nftables or the other iptables variant, for an iptables node),
 //! left by an agent that ran with it before a switch, is removed from the host at startup and
-//! from each pod whenever the pod is enrolled, repaired or removed.
+//! from each pod whenever the pod is enrolled, repaired or removed; at a sandbox's own ADD it is
+//! not looked for ([`NodeDataplane::enroll_sandbox`]), and a verify finds it.
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -173,6 +174,13 @@ impl NodeDataplane {
             crate::pod::enroll(netns, cfg, self.rules())?;
             self.clear_pod_leftovers(netns)
         })?
+    }
+
+    /// [`enroll`](Self::enroll) of a namespace the runtime has just made for a sandbox (its CNI
+    /// ADD), without looking for the previous backend's rules: the caller knows none can be
+    /// there but in a case [`verify`](Self::verify) and [`unenroll`](Self::unenroll) cover.
+    pub fn enroll_sandbox(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), NodeError> {
+        Ok(crate::pod::enroll(netns, cfg, self.rules())?)
     }
 
     pub fn unenroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), NodeError> {

@@ -24,6 +24,10 @@ impl PodRules for NodeDataplane {
         NodeDataplane::enroll(self, netns, cfg)
     }
 
+    fn enroll_sandbox(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError> {
+        NodeDataplane::enroll_sandbox(self, netns, cfg)
+    }
+
     fn unenroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError> {
         NodeDataplane::unenroll(self, netns, cfg)
     }

@@ -1296,6 +1296,36 @@ async fn backend_switch_on_a_live_node_strands_nothing() {
     }
 }
 
+/// A CNI ADD does not look for the previous backend's rules (`Mesh::add` says why: the runtime
+/// made the namespace for the sandbox), but one way brings them there: an agent of the other
+/// backend programmed the namespace while serving the same ADD and died, and our plugin posts
+/// the ADD again to the next agent. That pod still ends redirected by the new backend alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_posted_again_after_a_backend_switch_ends_with_the_new_rules_alone() {
+    dataplane::enter_test_group!();
+    dataplane::require_root!();
+    use cni_core::redirect::ambient::InpodConfig;
+    use dataplane::backend::{BackendOptions, RuleBackend};
+    let node = TestNode::start(Backend::Nftables).await;
+    let _peer = fast_peer(&node);
+    node.create_namespace("mesh", &[AMBIENT]).await;
+    let pod = node.create_pod_object("mesh", "again", &[]).await;
+    let prev = node.sandbox_add_primary(&pod).await.unwrap();
+    // What the iptables agent that died in the middle of this ADD left in the pod.
+    let ns = pod.netns.open();
+    let iptables = ns
+        .run(|| RuleBackend::new("iptables", &BackendOptions::default()))
+        .unwrap()
+        .unwrap();
+    dataplane::pod::enroll(&ns, &InpodConfig::default(), &iptables).unwrap();
+    assert_pod_redirected_by(&pod, Backend::Iptables);
+
+    node.sandbox_add_ours(&pod, prev)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    eventually_redirected_by(&pod, Backend::Nftables).await;
+}
+
 /// The node's iptables variant changes under a live agent (an OS upgrade from iptables-legacy to
 /// iptables-nft; forced here): pods enrolled before are redirected by the new variant only, the
 /// host's chains move with it while the probe sets stay, and a pod leaving the mesh is clean of

@@ -247,7 +247,22 @@ impl Mesh {
 
         let rules = self.rules.clone();
         let c = cfg.clone();
-        let applied = in_netns(&netns, move |ns| rules.enroll(ns, &c)).await;
+        // The previous backend's rules (a switch between iptables and nftables) are looked for
+        // in a namespace that may predate the switch: at the informer's and a restart's
+        // enrollments, at drift checks and repairs, at removal. Not at a CNI ADD: the runtime
+        // made this namespace for the sandbox, and the one earlier writer it can have had is an
+        // agent of the other backend that died while serving this same ADD, which our plugin
+        // then posts again (Istio's plugin and our plugin's flow for Istio's agent post once;
+        // the runtime tears a failed sandbox down and makes a new namespace). That pod is
+        // redirected by both, which redirect alike, until the next drift check (its verify
+        // looks for them) or its removal takes the old rules out. The look costs every ADD two
+        // /proc reads and a netlink dump in the pod's namespace.
+        let sandbox = netns_path.is_some();
+        let applied = in_netns(&netns, move |ns| match sandbox {
+            true => rules.enroll_sandbox(ns, &c),
+            false => rules.enroll(ns, &c),
+        })
+        .await;
         if let Err(source) = applied {
             self.cache.take(&uid);
             return Err(MeshError::Rules {

@@ -25,6 +25,11 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub trait PodRules: Send + Sync + 'static {
     fn backend(&self) -> &'static str;
     fn enroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError>;
+    /// [`enroll`](Self::enroll) of the namespace the runtime just made for a sandbox (its CNI
+    /// ADD), where the previous backend's rules are not looked for (`Mesh::add` says why).
+    fn enroll_sandbox(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError> {
+        self.enroll(netns, cfg)
+    }
     fn unenroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), BoxError>;
     fn verify(&self, netns: &Netns, cfg: &InpodConfig) -> Result<RuleState, BoxError>;
     /// Whether the pod still holds rules of the backend the node used before a switch.
