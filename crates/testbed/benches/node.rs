@@ -18,6 +18,12 @@
 //! With `BENCH_FILL=<namespaces>:<pods>` each round's API server is first filled to that size
 //! (namespaces, and pods bound to absent nodes, as `benches/scale.rs` fills it): the ADDs and
 //! their floors (the bench's own `pods/status` patches) measured in a cluster that large.
+//!
+//! The agent's own CPU per ADD is read from its process CPU clock (every thread, exited ones
+//! too, in nanoseconds) from before a burst of 100 to [`AFTER_BURST`] after it. With
+//! `BENCH_BURSTS=<n>` a round is only that: `n` bursts of 100 ambient and of 100 non-mesh ADDs
+//! on one node, the agent's CPU per ADD of each, for before/after pairs of two agent builds
+//! (`AGENT_BIN`) alternated at the same load.
 
 use std::time::{Duration, Instant};
 
@@ -30,6 +36,10 @@ use testbed::cpu_profile;
 use testbed::kube::KubeTestEnv;
 use testbed::node::{Agent, Backend, NodeOptions, TestNode, TestPod, plugin_binary};
 use testbed::zds_peer::{PeerConfig, ZdsPeer};
+
+/// How long after a burst the agent's CPU clock is read again: the watch events of its own
+/// patches come back and are handled within it.
+const AFTER_BURST: Duration = Duration::from_millis(300);
 
 /// How long a restarted agent gets to hand every pod over again.
 const RESTART_WAIT: Duration = Duration::from_secs(30);
@@ -116,14 +126,15 @@ async fn add_one_by_one(
 
 /// `n` pods whose sandboxes are added all at once. `whole`: time the whole chain of every pod;
 /// otherwise the primary plugins run first, untimed, and only the plugin's execs are timed.
-/// Also returns the CPU the bench and what it started used in the timed part.
+/// Also returns the CPU the bench and what it started used in the timed part, and the agent's
+/// CPU clock from before the burst to [`AFTER_BURST`] after it.
 async fn add_at_once(
     node: &TestNode,
     namespace: &str,
     prefix: &str,
     n: usize,
     whole: bool,
-) -> (Vec<TestPod>, Duration, CpuSplit) {
+) -> (Vec<TestPod>, Duration, CpuSplit, Option<Duration>) {
     let mut pods = Vec::new();
     for i in 0..n {
         pods.push(
@@ -141,6 +152,7 @@ async fn add_at_once(
             .collect()
     };
     let cpu_before = cpu_profile::snapshot_tree(std::process::id());
+    let agent_before = node.agent_cpu_time();
     let started = Instant::now();
     let results = join_all(pods.iter().zip(prevs).map(|(pod, prev)| async move {
         match prev {
@@ -154,11 +166,24 @@ async fn add_at_once(
     .await;
     let took = started.elapsed();
     let cpu = CpuSplit::between(&cpu_before);
+    tokio::time::sleep(AFTER_BURST).await;
+    let agent_clock = node
+        .agent_cpu_time()
+        .zip(agent_before)
+        .map(|(after, before)| after - before);
     for (pod, r) in pods.iter_mut().zip(results) {
         let result = r.unwrap_or_else(|e| panic!("ADD at once failed: {e}\n{}", node.agent_log()));
         node.report_running(pod, &result).await;
     }
-    (pods, took, cpu)
+    (pods, took, cpu, agent_clock)
+}
+
+/// The agent's CPU per ADD of a burst of `n`, in ms, from its CPU clock.
+fn per_add(clock: Option<Duration>, n: usize) -> Figure {
+    match clock {
+        Some(c) => Figure::Value(ms(c) / n as f64),
+        None => Figure::NotApplicable("the agent's CPU clock could not be read".into()),
+    }
 }
 
 /// CPU time, in ms, of the bench and the processes it started, between a snapshot and now.
@@ -208,14 +233,14 @@ fn fill() -> Option<(usize, usize)> {
 /// Nodes the fill's pods are bound to (none exists), as in the scale bench.
 const FILL_NODES: usize = 500;
 
-/// The whole bench on a fresh node running `agent`.
-async fn run(agent: Agent) -> Figures {
-    let istio = matches!(agent, Agent::Istio(_));
+/// A fresh node running `agent` (in a cluster filled first with `BENCH_FILL`), its ZDS peer
+/// holding the snapshot, and the ambient namespace `bench`.
+async fn start_node(agent: Agent) -> (TestNode, ZdsPeer) {
     let options = NodeOptions {
         agent,
         ..NodeOptions::default()
     };
-    let mut node = TestNode::start_on(KubeTestEnv::start().await, Backend::Nftables, options).await;
+    let node = TestNode::start_on(KubeTestEnv::start().await, Backend::Nftables, options).await;
     if let Some((namespaces, pods)) = fill() {
         let (admin, started) = (node.kube.client(), Instant::now());
         cluster_fill::namespaces(&admin, 0, namespaces)
@@ -237,6 +262,78 @@ async fn run(agent: Agent) -> Figures {
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
     node.create_namespace("bench", &[AMBIENT]).await;
+    (node, peer)
+}
+
+/// `BENCH_BURSTS`: bursts of 100 ambient and 100 non-mesh ADDs on one node, the agent's CPU per
+/// ADD of each (its CPU clock), after one ADD of each kind has paid the one-time costs. Before
+/// each, the agent's CPU in a second with no ADD: what of a burst's window is not the ADDs' (the
+/// test node checks every enrolled pod for drift each second).
+async fn run_bursts(agent: Agent, bursts: usize) -> Figures {
+    let (node, _peer) = start_node(agent).await;
+    node.create_namespace("plain", &[]).await;
+    add_one_by_one(&node, "bench", "first", 1).await;
+    add_one_by_one(&node, "plain", "first", 1).await;
+    let (mut ambient, mut plain, mut idle) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..bursts {
+        let before = node.agent_cpu_time();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let quiet = node
+            .agent_cpu_time()
+            .zip(before)
+            .map(|(after, before)| after - before);
+        let (_, took, _, clock) =
+            add_at_once(&node, "bench", &format!("burst{i}"), 100, false).await;
+        let (_, plain_took, _, plain_clock) =
+            add_at_once(&node, "plain", &format!("burst{i}"), 100, false).await;
+        let at = |c: Option<Duration>| c.map_or(f64::NAN, |c| ms(c) / 100.0);
+        eprintln!(
+            "bench: burst {}/{bursts} (load {}): agent CPU {:.1} ms in the idle second before; \
+             per ADD {:.3} ms ambient ({:.1} ms all done), {:.3} ms non-mesh ({:.1} ms)",
+            i + 1,
+            load(),
+            at(quiet) * 100.0,
+            at(clock),
+            ms(took),
+            at(plain_clock),
+            ms(plain_took)
+        );
+        ambient.push(per_add(clock, 100));
+        plain.push(per_add(plain_clock, 100));
+        idle.push(per_add(quiet, 1));
+    }
+    let mut out: Figures = Vec::new();
+    for (i, f) in idle.into_iter().enumerate() {
+        out.push((
+            format!(
+                "the agent's CPU in the second with no ADD before burst {}",
+                i + 1
+            ),
+            "ms",
+            f,
+        ));
+    }
+    for (kind, figures) in [("ambient", ambient), ("non-mesh", plain)] {
+        for (i, f) in figures.into_iter().enumerate() {
+            out.push((
+                format!(
+                    "the agent's CPU per {kind} ADD, burst {} of 100 at once (its CPU clock, \
+                     the burst and {} ms after)",
+                    i + 1,
+                    AFTER_BURST.as_millis()
+                ),
+                "ms",
+                f,
+            ));
+        }
+    }
+    out
+}
+
+/// The whole bench on a fresh node running `agent`.
+async fn run(agent: Agent) -> Figures {
+    let istio = matches!(agent, Agent::Istio(_));
+    let (mut node, peer) = start_node(agent).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let idle = node.agent_memory_kib("VmRSS").unwrap_or(0);
 
@@ -244,9 +341,9 @@ async fn run(agent: Agent) -> Figures {
     // the result through), so the ambient cost can be told apart from the chain's.
     node.create_namespace("plain", &[]).await;
     let (_, plain_chain, plain_ours, _) = add_one_by_one(&node, "plain", "plain", 20).await;
-    let (_, plain_burst, plain_burst_cpu) =
+    let (_, plain_burst, plain_burst_cpu, plain_burst_clock) =
         add_at_once(&node, "plain", "plain-burst", 100, false).await;
-    let (_, plain_burst_chain, _) = add_at_once(&node, "plain", "plain-chain", 100, true).await;
+    let (_, plain_burst_chain, _, _) = add_at_once(&node, "plain", "plain-chain", 100, true).await;
 
     // The first ambient ADD after the agent started pays one-time costs (its first connection
     // for writes to the API server, first rules in a pod); reported on its own.
@@ -256,7 +353,8 @@ async fn run(agent: Agent) -> Figures {
     let sequential_metrics = node.metrics();
 
     // 100 sandboxes at once, as a node does after a reboot or a big rollout.
-    let (more, burst, burst_cpu) = add_at_once(&node, "bench", "burst", 100, false).await;
+    let (more, burst, burst_cpu, burst_clock) =
+        add_at_once(&node, "bench", "burst", 100, false).await;
     // The floor under that burst: the same 100 annotation patches on `pods/status` by the bench
     // itself, at most 8 in flight as the agent's client sends them (`MAX_IN_FLIGHT`).
     let burst_patches = {
@@ -284,7 +382,7 @@ async fn run(agent: Agent) -> Figures {
         started.elapsed()
     };
     pods.extend(more);
-    let (more, burst_chain, _) = add_at_once(&node, "bench", "chain", 100, true).await;
+    let (more, burst_chain, _, _) = add_at_once(&node, "bench", "chain", 100, true).await;
     pods.extend(more);
     for pod in &pods {
         node.wait_redirection(pod, Some("enabled")).await;
@@ -463,6 +561,17 @@ async fn run(agent: Agent) -> Figures {
             Figure::Value(cpu.total() / cpus),
         );
     }
+    for (kind, clock) in [("ambient", burst_clock), ("non-mesh", plain_burst_clock)] {
+        push(
+            format!(
+                "the agent's CPU per {kind} CNI ADD, 100 at once (its CPU clock, the burst and \
+                 {} ms after)",
+                AFTER_BURST.as_millis()
+            ),
+            "ms",
+            per_add(clock, 100),
+        );
+    }
     let mean = |of: fn(&CpuSplit) -> f64| {
         (!restart_cpu.is_empty())
             .then(|| restart_cpu.iter().map(of).sum::<f64>() / restart_cpu.len() as f64)
@@ -587,6 +696,13 @@ async fn main() {
         .ok()
         .and_then(|r| r.parse().ok())
         .unwrap_or(if istio_bin.is_some() { 3 } else { 1 });
+    let bursts: Option<usize> = std::env::var("BENCH_BURSTS").ok().map(|v| {
+        v.trim()
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| panic!("BENCH_BURSTS: {v:?} is not a positive number of bursts"))
+    });
     let (mut ours, mut theirs) = (Vec::new(), Vec::new());
     let mut istio_failed: Option<String> = None;
     for round in 1..=rounds {
@@ -612,7 +728,11 @@ async fn main() {
                 load()
             );
             // A failing setup of Istio's agent ends its rounds, not the bench.
-            match tokio::spawn(run(agent)).await {
+            let round = match bursts {
+                Some(n) => tokio::spawn(run_bursts(agent, n)),
+                None => tokio::spawn(run(agent)),
+            };
+            match round.await {
                 Ok(figures) => if istio { &mut theirs } else { &mut ours }.push(figures),
                 Err(e) if istio => {
                     eprintln!("Istio's agent failed this round: {e}");

@@ -479,6 +479,16 @@ impl TestNode {
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
     }
 
+    /// The CPU the agent process has used since it started, all its threads (exited ones too),
+    /// from its CPU clock: nanoseconds, where `/proc/<pid>/stat` counts 10 ms ticks.
+    pub fn agent_cpu_time(&self) -> Option<Duration> {
+        let mut pid = self.agent.as_ref()?.id();
+        if let Agent::Istio(_) = self.agent_kind {
+            pid = crate::istio_agent::agent_process(pid)?;
+        }
+        dataplane::test_support::process_cpu_time(pid).ok()
+    }
+
     pub fn agent_log(&self) -> String {
         let log = std::fs::read_to_string(self.path("agent.log")).unwrap_or_default();
         let lines: Vec<&str> = log.lines().collect();
