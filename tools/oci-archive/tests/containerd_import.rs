@@ -239,7 +239,15 @@ fn images_import_into_containerd_and_run() {
                 .map(|rest| rest.split_whitespace().next().unwrap().to_string())
         })
         .unwrap_or_else(|| panic!("no pause task in:\n{tasks}"));
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    // `ctr run -d` returns once the task is started, which can be before runc's init process has
+    // exec'd the entrypoint: until then the task's pid is still `runc init`.
+    let read = || std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut cmdline = read();
+    while cmdline == b"runc\0init\0" && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        cmdline = read();
+    }
     assert_eq!(cmdline, b"/catatonit\0-P\0");
 }
 
