@@ -50,11 +50,7 @@ fn serve_unix(
         .with_context(|| format!("{what} socket {}", path.display()))?;
     let file =
         SocketFile::bound(path).with_context(|| format!("{what} socket {}", path.display()))?;
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            tracing::error!(error = %e, "{what} server stopped");
-        }
-    });
+    tokio::spawn(crate::uds::serve_http1(listener, router));
     Ok(file)
 }
 

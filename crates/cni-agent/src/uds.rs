@@ -73,6 +73,27 @@ impl axum::serve::Listener for PeerCheckedListener {
     }
 }
 
+/// Serves `router` on `listener`: each connection straight to hyper's HTTP/1 server. The local
+/// sockets' callers (the plugin, one connection per CNI ADD, and debug clients) speak HTTP/1.1
+/// only; `axum::serve` first reads a connection's opening bytes to tell HTTP/2 apart (a read and
+/// a copy per connection) and keeps a shutdown watch per connection nothing here uses. The
+/// responses are the same hyper HTTP/1 encoding with the same settings.
+pub async fn serve_http1(mut listener: PeerCheckedListener, router: axum::Router) {
+    use axum::serve::Listener;
+    loop {
+        let (stream, _) = listener.accept().await;
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .with_upgrades();
+            if let Err(e) = conn.await {
+                tracing::trace!(error = %e, "local socket connection ended");
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
