@@ -72,25 +72,59 @@ impl NetnsHints {
     }
 
     fn write(&self, uid: &str, netns_path: &str) -> bool {
-        use std::os::unix::fs::DirBuilderExt;
-        let tmp = self.dir.join(format!(".{uid}.tmp"));
-        let result = std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&self.dir)
-            .and_then(|()| {
-                std::fs::write(&tmp, netns_path)?;
-                std::fs::rename(&tmp, self.dir.join(uid))
-            });
+        let hint = self.dir.join(uid);
+        let result = self.create(&hint, netns_path).or_else(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => self.replace(uid, &hint, netns_path),
+            _ => Err(e),
+        });
         match result {
             Ok(()) => true,
             Err(e) => {
-                // A full run dir fails the write after creating the file: nothing may stay.
-                let _ = std::fs::remove_file(&tmp);
                 tracing::warn!(uid, error = %e, "cannot record netns hint; will retry");
                 false
             }
         }
+    }
+
+    /// A pod's first hint (every ambient ADD writes one): created in place, as no reader can
+    /// mistake it for another. A reader sees no file, an empty one (treated as no hint, as an
+    /// agent killed between the create and the write leaves it) or the whole path, written at
+    /// once; a tmp file and a rename cost the ADD twice as much for nothing more. The directory
+    /// is made at first need.
+    fn create(&self, hint: &Path, netns_path: &str) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::DirBuilderExt;
+        let open = || std::fs::File::create_new(hint);
+        let mut file = match open() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&self.dir)?;
+                open()?
+            }
+            opened => opened?,
+        };
+        file.write_all(netns_path.as_bytes()).inspect_err(|_| {
+            // A full run dir fails the write after creating the file: nothing may stay.
+            let _ = std::fs::remove_file(hint);
+        })
+    }
+
+    /// A hint already there: kept when it names the same path (a retried ADD), else replaced
+    /// (the pod's sandbox was recreated) through a tmp file and a rename, so a reader (a restart
+    /// checking hints) sees the old path or the new one, never a cut one, and a failure leaves
+    /// the old hint as it was.
+    fn replace(&self, uid: &str, hint: &Path, netns_path: &str) -> std::io::Result<()> {
+        if std::fs::read(hint).is_ok_and(|held| held == netns_path.as_bytes()) {
+            return Ok(());
+        }
+        let tmp = self.dir.join(format!(".{uid}.tmp"));
+        std::fs::write(&tmp, netns_path)
+            .and_then(|()| std::fs::rename(&tmp, hint))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(&tmp);
+            })
     }
 
     /// Deletes the hints of pods that are gone (deleted while no agent was running to see it)
@@ -245,8 +279,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let hints = NetnsHints::new(dir.path());
         hints.record("uid-1", "/proc/self/ns/net");
-        // A directory in the hint's place fails the rename after the temp file was written,
-        // as a full run dir fails the write after the file was created.
+        // A directory in the hint's place fails the rename after the temp file was written, as
+        // a full run dir fails the write after the file was created.
         std::fs::create_dir(dir.path().join("netns/uid-2")).unwrap();
         hints.record("uid-2", "/proc/self/ns/net");
         let mut names: Vec<String> = std::fs::read_dir(dir.path().join("netns"))
@@ -270,6 +304,40 @@ mod tests {
         std::fs::remove_dir(dir.path().join("netns/uid-3")).unwrap();
         assert_eq!(hints.write_pending(), 0);
         assert!(!dir.path().join("netns/uid-3").exists());
+    }
+
+    /// A hint naming the same namespace is not written again; one naming another is replaced
+    /// whole; an empty one (an agent killed between creating and writing it) is no hint.
+    #[test]
+    fn a_hint_is_written_only_when_it_changes() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let hints = NetnsHints::new(dir.path());
+        let file = dir.path().join("netns/uid-1");
+        hints.record("uid-1", "/var/run/netns/cni-a");
+        let first = std::fs::metadata(&file).unwrap().ino();
+        hints.record("uid-1", "/var/run/netns/cni-a");
+        assert_eq!(
+            std::fs::metadata(&file).unwrap().ino(),
+            first,
+            "rewritten with the same path"
+        );
+        hints.record("uid-1", "/var/run/netns/cni-b");
+        assert_eq!(
+            std::fs::read_to_string(&file).unwrap(),
+            "/var/run/netns/cni-b"
+        );
+
+        std::fs::write(dir.path().join("netns/uid-2"), "").unwrap();
+        assert!(hints.open_unverified("uid-2", Path::new("/")).is_none());
+        hints.record("uid-2", "/proc/self/ns/net");
+        assert!(hints.open_unverified("uid-2", Path::new("/")).is_some());
+        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("netns"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["uid-1", "uid-2"], "a temp file was left behind");
     }
 
     #[test]
