@@ -167,10 +167,7 @@ async fn add_at_once(
     let took = started.elapsed();
     let cpu = CpuSplit::between(&cpu_before);
     tokio::time::sleep(AFTER_BURST).await;
-    let agent_clock = node
-        .agent_cpu_time()
-        .zip(agent_before)
-        .map(|(after, before)| after - before);
+    let agent_clock = node.agent_cpu_since(agent_before);
     for (pod, r) in pods.iter_mut().zip(results) {
         let result = r.unwrap_or_else(|e| panic!("ADD at once failed: {e}\n{}", node.agent_log()));
         node.report_running(pod, &result).await;
@@ -278,10 +275,7 @@ async fn run_bursts(agent: Agent, bursts: usize) -> Figures {
     for i in 0..bursts {
         let before = node.agent_cpu_time();
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let quiet = node
-            .agent_cpu_time()
-            .zip(before)
-            .map(|(after, before)| after - before);
+        let quiet = node.agent_cpu_since(before);
         let (_, took, _, clock) =
             add_at_once(&node, "bench", &format!("burst{i}"), 100, false).await;
         let (_, plain_took, _, plain_clock) =

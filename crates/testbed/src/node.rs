@@ -468,10 +468,7 @@ impl TestNode {
     /// A memory figure of the agent from `/proc/<pid>/status` (`VmRSS`: resident now, `VmHWM`:
     /// its peak, `RssAnon`, `RssFile`), in KiB.
     pub fn agent_memory_kib(&self, field: &str) -> Option<u64> {
-        let mut pid = self.agent.as_ref()?.id();
-        if let Agent::Istio(_) = self.agent_kind {
-            pid = crate::istio_agent::agent_process(pid)?;
-        }
+        let pid = self.agent_process()?;
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         status
             .lines()
@@ -482,11 +479,23 @@ impl TestNode {
     /// The CPU the agent process has used since it started, all its threads (exited ones too),
     /// from its CPU clock: nanoseconds, where `/proc/<pid>/stat` counts 10 ms ticks.
     pub fn agent_cpu_time(&self) -> Option<Duration> {
-        let mut pid = self.agent.as_ref()?.id();
-        if let Agent::Istio(_) = self.agent_kind {
-            pid = crate::istio_agent::agent_process(pid)?;
+        dataplane::test_support::process_cpu_time(self.agent_process()?).ok()
+    }
+
+    /// The CPU the agent has used since `before` (an [`agent_cpu_time`](Self::agent_cpu_time)),
+    /// if both readings are of the same agent process.
+    pub fn agent_cpu_since(&self, before: Option<Duration>) -> Option<Duration> {
+        self.agent_cpu_time()?.checked_sub(before?)
+    }
+
+    /// The agent's own process: ours as started; Istio's below its launcher, which forks it into
+    /// a PID namespace ([`crate::istio_agent::agent_process`]).
+    fn agent_process(&self) -> Option<u32> {
+        let pid = self.agent.as_ref()?.id();
+        match self.agent_kind {
+            Agent::Istio(_) => crate::istio_agent::agent_process(pid),
+            Agent::Ours => Some(pid),
         }
-        dataplane::test_support::process_cpu_time(pid).ok()
     }
 
     pub fn agent_log(&self) -> String {

@@ -274,6 +274,16 @@ mod tests {
         assert!(valid_uid("863b91d4-4b68-4efa-917f-4b560e3e86aa"));
     }
 
+    /// The names in `dir`, sorted.
+    fn file_names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
     #[test]
     fn a_failed_write_leaves_no_file() {
         let dir = tempfile::tempdir().unwrap();
@@ -283,12 +293,11 @@ mod tests {
         // a full run dir fails the write after the file was created.
         std::fs::create_dir(dir.path().join("netns/uid-2")).unwrap();
         hints.record("uid-2", "/proc/self/ns/net");
-        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("netns"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["uid-1", "uid-2"], "a temp file was left behind");
+        assert_eq!(
+            file_names(&dir.path().join("netns")),
+            ["uid-1", "uid-2"],
+            "a temp file was left behind"
+        );
 
         // Written once there is room again.
         std::fs::remove_dir(dir.path().join("netns/uid-2")).unwrap();
@@ -332,12 +341,11 @@ mod tests {
         assert!(hints.open_unverified("uid-2", Path::new("/")).is_none());
         hints.record("uid-2", "/proc/self/ns/net");
         assert!(hints.open_unverified("uid-2", Path::new("/")).is_some());
-        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("netns"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["uid-1", "uid-2"], "a temp file was left behind");
+        assert_eq!(
+            file_names(&dir.path().join("netns")),
+            ["uid-1", "uid-2"],
+            "a temp file was left behind"
+        );
     }
 
     #[test]
