@@ -76,10 +76,13 @@ pub struct NodeOptions {
     /// the server's certificate (a fault-injecting proxy); `None` means the server itself.
     pub api_port: Option<u16>,
     /// Mount a tmpfs of this many bytes on the agent's run dir, so a test can fill it (disk
-    /// full). Only inside a private mount namespace the caller made: never on the host's.
+    /// full), or so a bench's run dir is the tmpfs a node's is. Only inside a private mount
+    /// namespace the caller made: never on the host's.
     pub run_dir_tmpfs: Option<u64>,
     /// Whose agent runs on the node.
     pub agent: Agent,
+    /// [`TestNode::extra_env`] from the first agent start.
+    pub extra_env: Vec<(String, String)>,
 }
 
 /// The node agent the kit starts.
@@ -101,6 +104,7 @@ impl Default for NodeOptions {
             api_port: None,
             run_dir_tmpfs: None,
             agent: Agent::Ours,
+            extra_env: Vec::new(),
         }
     }
 }
@@ -305,7 +309,7 @@ impl TestNode {
             health_port,
             metrics_port: crate::ports::unused(),
             backend,
-            extra_env: Vec::new(),
+            extra_env: options.extra_env,
             agent: None,
             agent_log_start: 0,
             kubelet,
