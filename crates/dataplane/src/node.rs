@@ -177,10 +177,11 @@ impl NodeDataplane {
     }
 
     /// [`enroll`](Self::enroll) of a namespace the runtime has just made for a sandbox (its CNI
-    /// ADD), without looking for the previous backend's rules: the caller knows none can be
-    /// there but in a case [`verify`](Self::verify) and [`unenroll`](Self::unenroll) cover.
+    /// ADD), without looking for the previous backend's rules or reading its own first
+    /// ([`crate::pod::enroll_fresh`]): the caller knows none can be there but in a case
+    /// [`verify`](Self::verify) and [`unenroll`](Self::unenroll) cover.
     pub fn enroll_sandbox(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), NodeError> {
-        Ok(crate::pod::enroll(netns, cfg, self.rules())?)
+        Ok(crate::pod::enroll_fresh(netns, cfg, self.rules())?)
     }
 
     pub fn unenroll(&self, netns: &Netns, cfg: &InpodConfig) -> Result<(), NodeError> {

@@ -40,20 +40,42 @@ pub fn enroll(netns: &Netns, cfg: &InpodConfig, backend: &dyn InpodRules) -> Res
     in_pod(netns, || {
         let had_routes = !routes::read(netns, cfg.ipv6)?.present.is_empty();
         let had_rules = backend.verify(netns, cfg)? != RuleState::Absent;
-        let result = routes::apply(netns, cfg.ipv6)
-            .map_err(PodError::from)
-            .and_then(|()| backend.apply(netns, cfg).map_err(PodError::from));
-        match result {
-            Err(first) if !had_routes && !had_rules => match unenroll(netns, cfg, backend) {
-                Ok(()) => Err(first),
-                Err(cleanup) => Err(PodError::RollbackFailed {
-                    first: Box::new(first),
-                    cleanup: Box::new(cleanup),
-                }),
-            },
-            other => other,
-        }
+        apply_or_undo(netns, cfg, backend, !had_routes && !had_rules)
     })
+}
+
+/// [`enroll`] of a namespace the runtime has just made for a sandbox, without reading what it
+/// holds first (two dumps and a socket): a fresh namespace holds none of our state, so a failed
+/// step is always undone. The one earlier writer such a namespace can have had is an agent that
+/// died while serving the same ADD, which the runtime then fails too.
+pub fn enroll_fresh(
+    netns: &Netns,
+    cfg: &InpodConfig,
+    backend: &dyn InpodRules,
+) -> Result<(), PodError> {
+    in_pod(netns, || apply_or_undo(netns, cfg, backend, true))
+}
+
+/// Routes, then rules; on failure everything is removed again when `undo`.
+fn apply_or_undo(
+    netns: &Netns,
+    cfg: &InpodConfig,
+    backend: &dyn InpodRules,
+    undo: bool,
+) -> Result<(), PodError> {
+    let result = routes::apply(netns, cfg.ipv6)
+        .map_err(PodError::from)
+        .and_then(|()| backend.apply(netns, cfg).map_err(PodError::from));
+    match result {
+        Err(first) if undo => match unenroll(netns, cfg, backend) {
+            Ok(()) => Err(first),
+            Err(cleanup) => Err(PodError::RollbackFailed {
+                first: Box::new(first),
+                cleanup: Box::new(cleanup),
+            }),
+        },
+        other => other,
+    }
 }
 
 /// Routes and rules compared with what [`enroll`] programs, as one verdict.

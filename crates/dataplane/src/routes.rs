@@ -9,7 +9,7 @@ use cni_core::redirect::ambient::consts::{
     MARK_MASK, ROUTE_TABLE, RULE_PRIORITY, ZTUNNEL_CONNMARK,
 };
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
-use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
+use netlink_packet_route::link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkMessage};
 use netlink_packet_route::route::{
     RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
@@ -128,13 +128,14 @@ pub fn apply(netns: &Netns, ipv6: bool) -> Result<(), RouteError> {
 pub fn apply_policy(netns: &Netns, ipv6: bool, policy: &Policy) -> Result<(), RouteError> {
     netns.run(|| {
         let mut sock = open()?;
-        let lo = loopback(&mut sock)?;
+        // Only `lo`'s IPv6 state needs asking, and only when IPv6 is wanted (as in `read`).
+        let lo_ipv6 = ipv6 && loopback(&mut sock)?.ipv6;
         // The runtime may run the loopback plugin in parallel with the chain (containerd does), so
         // `lo` can still be down here; the kernel refuses an IPv6 route on a down device
         // (ENETDOWN). Setting it up is what the loopback plugin does anyway.
-        set_up(&mut sock, lo.index)?;
-        for piece in desired(ipv6, lo.ipv6) {
-            add(&mut sock, piece, lo.index, policy)?;
+        set_up(&mut sock, LOOPBACK_IFINDEX)?;
+        for piece in desired(ipv6, lo_ipv6) {
+            add(&mut sock, piece, LOOPBACK_IFINDEX, policy)?;
         }
         Ok(())
     })?
@@ -150,7 +151,7 @@ pub fn remove(netns: &Netns) -> Result<(), RouteError> {
 pub fn remove_policy(netns: &Netns, policy: &Policy) -> Result<(), RouteError> {
     netns.run(|| {
         let mut sock = open()?;
-        let lo = loopback(&mut sock)?.index;
+        let lo = LOOPBACK_IFINDEX;
         let mut errs = Vec::new();
         for piece in [
             RoutePiece::MarkRuleV4,
@@ -328,6 +329,10 @@ pub struct Loopback {
 fn loopback(sock: &mut NetlinkSocket) -> Result<Loopback, RouteError> {
     let mut msg = LinkMessage::default();
     msg.attributes.push(LinkAttribute::IfName("lo".into()));
+    // Without the link's counters (its IPv6 ones above all), which are most of the kernel's
+    // work for this answer and are not read.
+    msg.attributes
+        .push(LinkAttribute::ExtMask(vec![LinkExtentMask::SkipStats]));
     let links = match sock.get(Raw::Typed(RouteNetlinkMessage::GetLink(msg))) {
         Err(e) if e.errno() == Some(libc::ENODEV) => return Err(RouteError::NoLoopback),
         other => other.map_err(|source| RouteError::Netlink {

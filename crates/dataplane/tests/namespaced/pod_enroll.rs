@@ -40,7 +40,14 @@ fn enroll_verify_unenroll_each_backend() {
             RuleState::Absent,
             "{name}"
         );
-        pod::enroll(&netns, &cfg, &b).unwrap();
+        // A sandbox's enrollment, then the informer's of the same pod: both idempotent.
+        pod::enroll_fresh(&netns, &cfg, &b).unwrap();
+        assert_eq!(
+            pod::verify(&netns, &cfg, &b).unwrap(),
+            RuleState::InSync,
+            "{name}"
+        );
+        pod::enroll_fresh(&netns, &cfg, &b).unwrap();
         pod::enroll(&netns, &cfg, &b).unwrap();
         assert_eq!(
             pod::verify(&netns, &cfg, &b).unwrap(),
@@ -133,6 +140,28 @@ fn failed_enroll_of_a_fresh_pod_leaves_no_routes() {
     assert!(err.to_string().contains("refused"), "{err}");
     assert_eq!(ns.exec("ip", &["route", "show", "table", "100"]).trim(), "");
     assert!(!ns.exec("ip", &["rule"]).contains("0x111"));
+}
+
+/// The one earlier writer a sandbox's namespace can have had is an agent that died serving the
+/// same ADD: its routes go with a failed fresh enrollment (the sandbox is torn down anyway),
+/// where [`pod::enroll`] keeps state it found.
+#[test]
+fn failed_fresh_enroll_takes_out_routes_it_found() {
+    dataplane::enter_test_group!();
+    dataplane::require_root!();
+    for fresh in [true, false] {
+        let ns = TestNetns::new("podfresh");
+        let netns = ns.open();
+        dataplane::routes::apply(&netns, false).unwrap();
+        let err = match fresh {
+            true => pod::enroll_fresh(&netns, &InpodConfig::default(), &Failing),
+            false => pod::enroll(&netns, &InpodConfig::default(), &Failing),
+        }
+        .unwrap_err();
+        assert!(err.to_string().contains("refused"), "{err}");
+        let rules = ns.exec("ip", &["rule"]);
+        assert_eq!(!rules.contains("0x111"), fresh, "fresh {fresh}: {rules}");
+    }
 }
 
 #[test]
