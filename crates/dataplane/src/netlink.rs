@@ -214,30 +214,37 @@ impl NetlinkSocket {
     }
 
     /// Numbers and sends `encoded`, then reads until every message that asked for an ack got
-    /// one, handing each other reply to one of them (header included) to `reply`.
+    /// one, handing each other reply to one of them (header included) to `reply`. A rejection
+    /// of a message that asked for no ack (the kernel reports failures unasked) counts as well.
     fn exchange(
         &mut self,
         encoded: &mut Encoded,
         mut reply: impl FnMut(&[u8]) -> Result<(), NetlinkError>,
     ) -> Result<(), NetlinkError> {
-        let first_seq = self.next_seq;
+        let mut numbered = Vec::with_capacity(encoded.msgs.len());
         let mut pending = Vec::new();
         for (i, &(start, acked)) in encoded.msgs.iter().enumerate() {
             let seq = self.alloc_seq();
             encoded.bytes[start + 8..start + 12].copy_from_slice(&seq.to_ne_bytes());
+            numbered.push(seq);
             if acked {
                 pending.push((seq, i));
             }
         }
         self.send_bytes(&encoded.bytes)?;
-        let sent = encoded.msgs.len() as u32;
         let mut first_err = None;
         while !pending.is_empty() {
             self.recv_each(|msg| {
                 let (message_type, _, seq) = header_of(msg);
                 let Some(pos) = pending.iter().position(|(s, _)| *s == seq) else {
-                    if seq.wrapping_sub(first_seq) < sent {
-                        reply(msg)?;
+                    let Some(index) = numbered.iter().position(|s| *s == seq) else {
+                        return Ok(());
+                    };
+                    if message_type != NLMSG_ERROR {
+                        return reply(msg);
+                    }
+                    if first_err.is_none() {
+                        first_err = rejection(msg, index);
                     }
                     return Ok(());
                 };

@@ -409,6 +409,19 @@ fn a_failing_batch_applies_nothing() {
     assert_eq!(ruleset(&ns).trim(), "");
     assert_eq!(backend.verify(&ns.open(), &cfg).unwrap(), RuleState::Absent);
 
+    // Refused in the middle, where the message asks for no ack (only a batch's last does): the
+    // kernel still names it, and the valid table after it is not created either.
+    let mut batch = NftablesBackend::apply_batch(&inpod_ruleset(&cfg));
+    let refused = batch.len() + 1;
+    batch.add_rule("istio-ambient-nat", &Rule::new("no-such-chain", vec![]));
+    batch.add_table("istio-after-the-refused");
+    let err = backend.commit(&ns.open(), batch).unwrap_err();
+    assert!(
+        err.to_string().contains(&format!("message {refused}:")),
+        "{err}"
+    );
+    assert_eq!(ruleset(&ns).trim(), "");
+
     // The same failure over existing rules leaves them exactly as they were.
     backend.apply(&ns.open(), &cfg).unwrap();
     let before = ruleset(&ns);
