@@ -10,7 +10,7 @@ use cni_core::redirect::ambient::InpodConfig;
 use cni_core::zds::WorkloadInfo;
 use dataplane::netns::Netns;
 
-use super::{Mesh, MeshError, in_netns, name, ns_name, on_thread, workload_info};
+use super::{BoxError, Mesh, MeshError, in_netns, name, ns_name, on_thread, workload_info};
 use crate::ambient::cluster::CachedPod;
 use crate::metrics::{BackendLabel, observe};
 use crate::procfs::WantedPod;
@@ -169,9 +169,11 @@ impl Mesh {
         Ok(())
     }
 
-    /// The redirection half of an add: netns, routes + rules, ZDS Add and its ack, and the host
-    /// probe set entry at the same time (it needs only the pod's IPs). When the rest fails, the
-    /// entry is taken out again: a pod that is not enrolled gets no probe SNAT.
+    /// The redirection half of an add: netns, routes + rules and the host probe set entry (it
+    /// needs only the pod's IPs), then the ZDS Add and its ack. When the rules or ztunnel fail,
+    /// the entry is taken out again: a pod that is not enrolled gets no probe SNAT. A failed
+    /// probe set entry fails the add after ztunnel's ack, which is not taken back (see
+    /// [`add_locked`](Self::add_locked)).
     async fn redirect(
         &self,
         pod: &CachedPod,
@@ -181,23 +183,16 @@ impl Mesh {
         ips: &[IpAddr],
         netns_path: Option<&str>,
     ) -> Result<Stages, MeshError> {
-        let probe = async {
-            let result = self.upsert_probe_ips(pod, uid, ips).await;
-            (result, Instant::now())
-        };
-        let (probed, redirected) = tokio::join!(
-            probe,
-            self.rules_and_ack(pod, uid, pod_name, cfg, ips, netns_path)
-        );
-        match (redirected, probed) {
-            (Ok((resolved, applied, acked)), (Ok(()), probed)) => Ok(Stages {
-                resolved,
-                applied,
-                acked,
-                probed,
+        match self
+            .rules_and_ack(pod, uid, pod_name, cfg, ips, netns_path)
+            .await
+        {
+            Ok((stages, Ok(()))) => Ok(stages),
+            Ok((_, Err(source))) => Err(MeshError::ProbeSet {
+                pod: name(pod),
+                source,
             }),
-            (Ok(_), (Err(failed), _)) => Err(failed),
-            (Err(failed), _) => {
+            Err(failed) => {
                 self.remove_probe_ips(uid, ips).await;
                 Err(failed)
             }
@@ -219,7 +214,8 @@ impl Mesh {
         }
     }
 
-    /// Netns, routes + rules, ZDS Add and its ack; returns when the first three finished.
+    /// Netns, routes + rules and the probe set entry on one pod namespace job, then the ZDS Add
+    /// and its ack; returns the stages and the probe set's own result.
     async fn rules_and_ack(
         &self,
         pod: &CachedPod,
@@ -228,7 +224,7 @@ impl Mesh {
         cfg: &InpodConfig,
         ips: &[IpAddr],
         netns_path: Option<&str>,
-    ) -> Result<(Instant, Instant, Instant), MeshError> {
+    ) -> Result<(Stages, Result<(), BoxError>), MeshError> {
         let uid = uid.to_string();
         let workload = workload_info(pod);
         let began = Instant::now();
@@ -247,6 +243,8 @@ impl Mesh {
 
         let rules = self.rules.clone();
         let c = cfg.clone();
+        let probes = self.probes.clone();
+        let entries = self.record_probe_ips(&uid, ips);
         // The previous backend's rules (a switch between iptables and nftables) are looked for
         // in a namespace that may predate the switch: at the informer's and a restart's
         // enrollments, at drift checks and repairs, at removal. Not at a CNI ADD: the runtime
@@ -257,24 +255,35 @@ impl Mesh {
         // redirected by both, which redirect alike, until the next drift check (its verify
         // looks for them) or its removal takes the old rules out. The look costs every ADD two
         // /proc reads and a netlink dump in the pod's namespace.
+        //
+        // The probe set entry is written by the same job, after the rules: its socket lives in
+        // the host's namespace and serves from any thread, and a job of its own cost every ADD
+        // a second thread's wake-up.
         let sandbox = netns_path.is_some();
-        let applied = in_netns(&netns, move |ns| match sandbox {
-            true => rules.enroll_sandbox(ns, &c),
-            false => rules.enroll(ns, &c),
+        let done = in_netns(&netns, move |ns| {
+            match sandbox {
+                true => rules.enroll_sandbox(ns, &c),
+                false => rules.enroll(ns, &c),
+            }?;
+            let applied = Instant::now();
+            let probed = probes.upsert_many(&entries);
+            Ok((applied, probed, Instant::now()))
         })
         .await;
-        if let Err(source) = applied {
-            self.cache.take(&uid);
-            return Err(MeshError::Rules {
-                pod: pod_name.to_string(),
-                backend: self.rules.backend(),
-                source,
-            });
-        }
+        let (applied, probed_result, probed) = match done {
+            Ok(done) => done,
+            Err(source) => {
+                self.cache.take(&uid);
+                return Err(MeshError::Rules {
+                    pod: pod_name.to_string(),
+                    backend: self.rules.backend(),
+                    source,
+                });
+            }
+        };
         let backend = BackendLabel {
             backend: self.rules.backend().to_string(),
         };
-        let applied = Instant::now();
         observe(
             &self.metrics.rule_apply_seconds.get_or_create(&backend),
             applied - resolved,
@@ -286,7 +295,13 @@ impl Mesh {
                 source,
             });
         }
-        Ok((resolved, applied, Instant::now()))
+        let stages = Stages {
+            resolved,
+            applied,
+            acked: Instant::now(),
+            probed,
+        };
+        Ok((stages, probed_result))
     }
 
     /// The IPs of an enrolled pod changed, with no empty step between (an address reassigned, a
@@ -338,18 +353,24 @@ impl Mesh {
         uid: &str,
         ips: &[IpAddr],
     ) -> Result<(), MeshError> {
-        let entries: Vec<(IpAddr, String)> = ips
-            .iter()
-            .map(|ip| (ip.to_canonical(), uid.to_string()))
-            .collect();
-        self.probe_ips
-            .record(uid, entries.iter().map(|(ip, _)| *ip));
+        let entries = self.record_probe_ips(uid, ips);
         self.upsert_probes(entries)
             .await
             .map_err(|source| MeshError::ProbeSet {
                 pod: name(pod),
                 source,
             })
+    }
+
+    /// Records the pod's IPs as its probe set entries; returns the entries to write.
+    fn record_probe_ips(&self, uid: &str, ips: &[IpAddr]) -> Vec<(IpAddr, String)> {
+        let entries: Vec<(IpAddr, String)> = ips
+            .iter()
+            .map(|ip| (ip.to_canonical(), uid.to_string()))
+            .collect();
+        self.probe_ips
+            .record(uid, entries.iter().map(|(ip, _)| *ip));
+        entries
     }
 
     async fn resolve_netns(
