@@ -254,7 +254,8 @@ impl ProbeSets {
     }
 }
 
-/// Set elements per nf_tables batch: every message is acked, and the acks of a few hundred
+/// Set elements per nf_tables batch: each refused message is answered on its own (every element
+/// of an add-only batch whose addresses are all there already), and a few hundred answers
 /// overflow the netlink socket's receive buffer (`ENOBUFS`).
 pub const ELEMENTS_PER_BATCH: usize = 32;
 
