@@ -223,12 +223,12 @@ impl NetlinkSocket {
     ) -> Result<(), NetlinkError> {
         let mut numbered = Vec::with_capacity(encoded.msgs.len());
         let mut pending = Vec::new();
-        for (i, &(start, acked)) in encoded.msgs.iter().enumerate() {
+        for &(start, acked) in &encoded.msgs {
             let seq = self.alloc_seq();
             encoded.bytes[start + 8..start + 12].copy_from_slice(&seq.to_ne_bytes());
             numbered.push(seq);
             if acked {
-                pending.push((seq, i));
+                pending.push(seq);
             }
         }
         self.send_bytes(&encoded.bytes)?;
@@ -236,22 +236,13 @@ impl NetlinkSocket {
         while !pending.is_empty() {
             self.recv_each(|msg| {
                 let (message_type, _, seq) = header_of(msg);
-                let Some(pos) = pending.iter().position(|(s, _)| *s == seq) else {
-                    let Some(index) = numbered.iter().position(|s| *s == seq) else {
-                        return Ok(());
-                    };
-                    if message_type != NLMSG_ERROR {
-                        return reply(msg);
-                    }
-                    if first_err.is_none() {
-                        first_err = rejection(msg, index);
-                    }
+                let Some(index) = numbered.iter().position(|s| *s == seq) else {
                     return Ok(());
                 };
                 if message_type != NLMSG_ERROR {
                     return reply(msg);
                 }
-                let (_, index) = pending.remove(pos);
+                pending.retain(|s| *s != seq);
                 if first_err.is_none() {
                     first_err = rejection(msg, index);
                 }

@@ -100,21 +100,12 @@ impl FileWatch {
         &self,
         event: Option<io::Result<Event<OsString>>>,
     ) -> Result<Option<PathBuf>, WatchError> {
-        let event = match event {
-            Some(Ok(event)) => event,
-            Some(Err(source)) => {
-                return Err(WatchError {
-                    path: PathBuf::new(),
-                    source,
-                });
-            }
-            None => {
-                return Err(WatchError {
-                    path: PathBuf::new(),
-                    source: io::ErrorKind::UnexpectedEof.into(),
-                });
-            }
-        };
+        let event = event
+            .unwrap_or_else(|| Err(io::ErrorKind::UnexpectedEof.into()))
+            .map_err(|source| WatchError {
+                path: PathBuf::new(),
+                source,
+            })?;
         if event.mask.contains(EventMask::Q_OVERFLOW) {
             return Ok(Some(PathBuf::new()));
         }
