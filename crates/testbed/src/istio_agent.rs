@@ -40,8 +40,11 @@ for e in /*; do
   elif [ -d "$e" ]; then mkdir "$root/$n"; mount --rbind "$e" "$root/$n"
   fi
 done
-# /tmp without its submounts: the new root itself lives beneath it.
+# /tmp without its submounts: the new root itself lives beneath it. The node's run dir (a hostPath
+# in the chart, the plugin reads the agent's kubeconfig there) again, in case it is a mount of its
+# own (a tmpfs, as on a node).
 mkdir "$root/tmp" && mount --bind /tmp "$root/tmp"
+mount --bind "$d/run" "$root$d/run"
 for n in sys dev var; do mkdir "$root/$n"; mount --rbind "/$n" "$root/$n"; done
 # The node's own PID namespace (this shell is its PID 1, and execs into the agent): Istio takes
 # /host/proc/1/ns/net for the host's network namespace, which must be the node's.
