@@ -339,70 +339,146 @@ struct Record<'a> {
     /// `dir/file:line` (zap's short caller).
     caller: Option<String>,
     msg: &'a str,
-    labels: &'a [(String, Value)],
+    /// Already in the output's form: see [`Labels`].
+    labels: &'a Labels,
     stack: Option<String>,
 }
 
-/// A label as Go's `fmt.Sprint` prints it in text: strings bare, the rest as JSON.
-fn label_text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
+/// A record's labels, written as they are visited in the one form the output takes: `k=v k=v`
+/// in text (strings bare, other values as JSON, as Go's `fmt.Sprint` prints them), `"k":v,...`
+/// in JSON. A record used to collect them as JSON values and format each twice, which was most
+/// of the allocations of a pod's ADD (its one "enrolled" line has seven labels).
+struct Labels {
+    json: bool,
+    out: Vec<u8>,
+}
+
+impl Labels {
+    fn new(json: bool) -> Self {
+        Labels {
+            json,
+            out: Vec::new(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.out.is_empty()
+    }
+
+    fn key(&mut self, key: &str) {
+        if !self.out.is_empty() {
+            self.out.push(if self.json { b',' } else { b' ' });
+        }
+        if self.json {
+            json_str(&mut self.out, key);
+            self.out.push(b':');
+        } else {
+            self.out.extend_from_slice(key.as_bytes());
+            self.out.push(b'=');
+        }
+    }
+
+    fn str(&mut self, key: &str, value: &str) {
+        self.key(key);
+        if self.json {
+            json_str(&mut self.out, value);
+        } else {
+            self.out.extend_from_slice(value.as_bytes());
+        }
+    }
+
+    /// A value whose text is its JSON (numbers, booleans, JSON values).
+    fn json_text(&mut self, key: &str, value: impl std::fmt::Display) {
+        self.key(key);
+        let _ = write!(self.out, "{value}");
+    }
+
+    fn debug(&mut self, key: &str, value: &dyn std::fmt::Debug) {
+        if self.json {
+            self.str(key, &format!("{value:?}"));
+        } else {
+            self.key(key);
+            let _ = write!(self.out, "{value:?}");
+        }
+    }
+
+    fn value(&mut self, key: &str, value: &Value) {
+        match value {
+            Value::String(s) => self.str(key, s),
+            other => self.json_text(key, other),
+        }
     }
 }
 
+/// `s` as a JSON string.
+fn json_str(out: &mut Vec<u8>, s: &str) {
+    serde_json::to_writer(out, s).expect("a string serializes into memory");
+}
+
 impl Record<'_> {
-    fn text(&self) -> String {
-        let mut out = format!("{}\t{}", self.time, self.level.name());
-        if self.scope != DEFAULT_SCOPE {
-            out.push('\t');
-            out.push_str(self.scope);
+    fn render(&self, json: bool) -> Vec<u8> {
+        let mut out = Vec::with_capacity(160 + self.msg.len() + self.labels.out.len());
+        if json {
+            self.json(&mut out);
+        } else {
+            self.text(&mut out);
         }
-        if let Some(c) = &self.caller {
-            out.push('\t');
-            out.push_str(c);
-        }
-        out.push('\t');
-        out.push_str(self.msg);
-        if !self.labels.is_empty() {
-            let labels: Vec<String> = self
-                .labels
-                .iter()
-                .map(|(k, v)| format!("{k}={}", label_text(v)))
-                .collect();
-            out.push('\t');
-            out.push_str(&labels.join(" "));
-        }
-        if let Some(stack) = &self.stack {
-            out.push('\n');
-            out.push_str(stack);
-        }
-        out.push('\n');
         out
     }
 
-    fn json(&self) -> String {
-        // Keys in zap's order; serde_json's map would sort them.
-        let mut fields: Vec<(&str, Value)> = vec![
-            ("level", self.level.name().into()),
-            ("time", self.time.into()),
-        ];
+    fn text(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self.time.as_bytes());
+        let mut column = |s: &str| {
+            out.push(b'\t');
+            out.extend_from_slice(s.as_bytes());
+        };
+        column(self.level.name());
         if self.scope != DEFAULT_SCOPE {
-            fields.push(("scope", self.scope.into()));
+            column(self.scope);
         }
         if let Some(c) = &self.caller {
-            fields.push(("caller", c.as_str().into()));
+            column(c);
         }
-        fields.push(("msg", self.msg.into()));
-        fields.extend(self.labels.iter().map(|(k, v)| (k.as_str(), v.clone())));
+        column(self.msg);
+        if !self.labels.is_empty() {
+            out.push(b'\t');
+            out.extend_from_slice(&self.labels.out);
+        }
         if let Some(stack) = &self.stack {
-            fields.push(("stack", stack.as_str().into()));
+            out.push(b'\n');
+            out.extend_from_slice(stack.as_bytes());
         }
-        let body: Vec<String> = fields
-            .into_iter()
-            .map(|(k, v)| format!("{}:{v}", Value::from(k)))
-            .collect();
-        format!("{{{}}}\n", body.join(","))
+        out.push(b'\n');
+    }
+
+    fn json(&self, out: &mut Vec<u8>) {
+        // Keys in zap's order; serde_json's map would sort them.
+        let mut field = |key: &str, value: &str| {
+            out.push(if out.is_empty() { b'{' } else { b',' });
+            json_str(out, key);
+            out.push(b':');
+            json_str(out, value);
+        };
+        field("level", self.level.name());
+        field("time", self.time);
+        if self.scope != DEFAULT_SCOPE {
+            field("scope", self.scope);
+        }
+        if let Some(c) = &self.caller {
+            field("caller", c);
+        }
+        field("msg", self.msg);
+        if !self.labels.is_empty() {
+            out.push(b',');
+            out.extend_from_slice(&self.labels.out);
+        }
+        if let Some(stack) = &self.stack {
+            out.push(b',');
+            json_str(out, "stack");
+            out.push(b':');
+            json_str(out, stack);
+        }
+        out.extend_from_slice(b"}\n");
     }
 }
 
@@ -437,13 +513,9 @@ impl IstioLog {
     }
 
     fn write(&self, record: &Record<'_>) {
-        let line = if self.json {
-            record.json()
-        } else {
-            record.text()
-        };
+        let line = record.render(self.json);
         for t in &self.outputs.0 {
-            t.write(line.as_bytes());
+            t.write(&line);
         }
     }
 
@@ -479,40 +551,58 @@ fn scope_of(target: &str) -> &'static str {
 }
 
 /// Collects an event's message and its other fields, in order, as labels.
-#[derive(Default)]
 struct Fields {
     msg: String,
-    labels: Vec<(String, Value)>,
+    labels: Labels,
 }
 
 impl Fields {
-    fn add(&mut self, field: &Field, value: Value) {
-        if field.name() == "message" {
-            self.msg = label_text(&value);
-        } else if !field.name().starts_with("log.") {
-            self.labels.push((field.name().to_string(), value));
-        }
+    /// Whether `field` is a label (not the message, nor the `log` crate's metadata).
+    fn is_label(field: &Field) -> bool {
+        field.name() != "message" && !field.name().starts_with("log.")
     }
 }
 
 impl Visit for Fields {
     fn record_str(&mut self, field: &Field, value: &str) {
-        self.add(field, value.into());
+        if field.name() == "message" {
+            self.msg.push_str(value);
+        } else if Self::is_label(field) {
+            self.labels.str(field.name(), value);
+        }
     }
     fn record_bool(&mut self, field: &Field, value: bool) {
-        self.add(field, value.into());
+        self.record_json_text(field, value);
     }
     fn record_i64(&mut self, field: &Field, value: i64) {
-        self.add(field, value.into());
+        self.record_json_text(field, value);
     }
     fn record_u64(&mut self, field: &Field, value: u64) {
-        self.add(field, value.into());
+        self.record_json_text(field, value);
     }
     fn record_f64(&mut self, field: &Field, value: f64) {
-        self.add(field, value.into());
+        // serde_json's spelling (`1.0`, `null` for NaN), not Rust's (`1`, `NaN`).
+        self.record_json_text(field, Value::from(value));
     }
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        self.add(field, format!("{value:?}").into());
+        use std::fmt::Write as _;
+        if field.name() == "message" {
+            let _ = write!(self.msg, "{value:?}");
+        } else if Self::is_label(field) {
+            self.labels.debug(field.name(), value);
+        }
+    }
+}
+
+impl Fields {
+    /// A value whose text is its JSON, in either output form.
+    fn record_json_text(&mut self, field: &Field, value: impl std::fmt::Display) {
+        use std::fmt::Write as _;
+        if field.name() == "message" {
+            let _ = write!(self.msg, "{value}");
+        } else if Self::is_label(field) {
+            self.labels.json_text(field.name(), value);
+        }
     }
 }
 
@@ -548,7 +638,10 @@ impl<S: Subscriber> Layer<S> for IstioLog {
             return;
         };
         let scope = scope_of(meta.target());
-        let mut fields = Fields::default();
+        let mut fields = Fields {
+            msg: String::new(),
+            labels: Labels::new(self.json),
+        };
         event.record(&mut fields);
         let time = cni_core::cmdadd::log_time(std::time::SystemTime::now());
         let caller = self
@@ -593,6 +686,10 @@ pub fn emit_plugin_record(level: &str, time: &str, msg: &str, labels: &[(String,
         if !log.enabled(PLUGIN_SCOPE, level) {
             return;
         }
+        let mut rendered = Labels::new(log.json);
+        for (k, v) in labels {
+            rendered.value(k, v);
+        }
         log.write(&Record {
             time,
             level,
@@ -602,7 +699,7 @@ pub fn emit_plugin_record(level: &str, time: &str, msg: &str, labels: &[(String,
                 .contains(&PLUGIN_SCOPE)
                 .then(|| short_caller(Some(site.file()), Some(site.line()))),
             msg,
-            labels,
+            labels: &rendered,
             stack: log.stack(PLUGIN_SCOPE, level, !labels.is_empty()),
         });
     });
@@ -653,5 +750,130 @@ impl LogArgs {
             max_age: (self.log_rotate_max_age > 0)
                 .then(|| Duration::from_secs(u64::from(self.log_rotate_max_age) * 86_400)),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn all_kinds(json: bool) -> String {
+        let mut l = Labels::new(json);
+        l.str("pod", "ns/p \"q\"");
+        l.json_text("n", -2);
+        l.json_text("ok", false);
+        l.json_text("f", Value::from(1.0));
+        l.debug("took", &Duration::from_micros(1500));
+        l.value("obj", &json!({"a": [1, "b"]}));
+        l.value("s", &json!("bare"));
+        String::from_utf8(l.out).unwrap()
+    }
+
+    #[test]
+    fn labels_are_strings_bare_and_the_rest_json_in_text() {
+        assert_eq!(
+            all_kinds(false),
+            r#"pod=ns/p "q" n=-2 ok=false f=1.0 took=1.5ms obj={"a":[1,"b"]} s=bare"#
+        );
+    }
+
+    #[test]
+    fn labels_are_json_members_in_json() {
+        assert_eq!(
+            all_kinds(true),
+            r#""pod":"ns/p \"q\"","n":-2,"ok":false,"f":1.0,"took":"1.5ms","obj":{"a":[1,"b"]},"s":"bare""#
+        );
+    }
+
+    #[test]
+    fn a_record_renders_in_zaps_column_and_key_order() {
+        let mut labels = Labels::new(false);
+        labels.str("pod", "a/b");
+        let mut record = Record {
+            time: "2026-12-06T21:00:00.000000Z",
+            level: Level::Warn,
+            scope: "cni-agent",
+            caller: Some("mesh/add.rs:10".into()),
+            msg: "slow \"pod\"",
+            labels: &labels,
+            stack: Some("frame".into()),
+        };
+        assert_eq!(
+            String::from_utf8(record.render(false)).unwrap(),
+            "2026-12-06T21:00:00.000000Z\twarn\tcni-agent\tmesh/add.rs:10\tslow \"pod\"\tpod=a/b\nframe\n"
+        );
+        let mut json_labels = Labels::new(true);
+        json_labels.str("pod", "a/b");
+        record.labels = &json_labels;
+        record.scope = DEFAULT_SCOPE;
+        record.caller = None;
+        let line = String::from_utf8(record.render(true)).unwrap();
+        assert_eq!(
+            line,
+            "{\"level\":\"warn\",\"time\":\"2026-12-06T21:00:00.000000Z\",\"msg\":\"slow \\\"pod\\\"\",\"pod\":\"a/b\",\"stack\":\"frame\"}\n"
+        );
+        serde_json::from_str::<Value>(&line).expect("one JSON object");
+    }
+
+    /// What [`Fields`] makes of an event, in both forms.
+    struct Capture {
+        json: bool,
+        seen: Arc<Mutex<Vec<(String, String)>>>,
+    }
+
+    impl<S: Subscriber> Layer<S> for Capture {
+        fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
+            let mut fields = Fields {
+                msg: String::new(),
+                labels: Labels::new(self.json),
+            };
+            event.record(&mut fields);
+            let labels = String::from_utf8(fields.labels.out).unwrap();
+            self.seen.lock().unwrap().push((fields.msg, labels));
+        }
+    }
+
+    fn captured(json: bool) -> (String, String) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let layer = Capture {
+            json,
+            seen: seen.clone(),
+        };
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), || {
+            tracing::info!(
+                pod = %"ns/p",
+                n = 3u64,
+                ok = true,
+                x = 0.5,
+                took = ?Duration::from_millis(2),
+                "hello {}",
+                1
+            );
+        });
+        let mut seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1);
+        seen.pop().unwrap()
+    }
+
+    #[test]
+    fn an_events_message_and_fields_become_the_records() {
+        assert_eq!(
+            captured(false),
+            (
+                "hello 1".to_string(),
+                "pod=ns/p n=3 ok=true x=0.5 took=2ms".to_string()
+            )
+        );
+        assert_eq!(
+            captured(true),
+            (
+                "hello 1".to_string(),
+                r#""pod":"ns/p","n":3,"ok":true,"x":0.5,"took":"2ms""#.to_string()
+            )
+        );
     }
 }
