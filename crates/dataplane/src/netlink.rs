@@ -62,6 +62,9 @@ thread_local! {
     /// each unmap a TLB shootdown on every CPU running the agent. Only the pages a datagram
     /// touched become resident.
     static RECV: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Where a single request is serialized ([`NetlinkSocket::request`], [`NetlinkSocket::get`]):
+    /// a pod's enrollment makes a dozen of them, routes and nftables generations.
+    static SEND: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 const NLMSGERR_ATTR_MSG: u16 = 1;
 // Netlink control message types (<linux/netlink.h>).
@@ -93,36 +96,48 @@ impl NetlinkSocket {
     where
         T: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
-        Ok(self
-            .acked(payload, 0)?
-            .into_iter()
-            .filter_map(|m| match m.payload {
-                NetlinkPayload::InnerMessage(m) => Some(m),
-                _ => None,
-            })
-            .collect())
+        let mut answer = Vec::new();
+        self.acked(payload, 0, |msg| {
+            let reply = NetlinkMessage::<T>::deserialize(msg)
+                .map_err(|e| NetlinkError::Decode(e.to_string()))?;
+            if let NetlinkPayload::InnerMessage(m) = reply.payload {
+                answer.push(m);
+            }
+            Ok(())
+        })?;
+        Ok(answer)
     }
 
     /// Sends one request and waits for its acknowledgement. `flags` is added to
     /// `NLM_F_REQUEST | NLM_F_ACK` (e.g. `NLM_F_CREATE | NLM_F_EXCL`).
     pub fn request<T>(&mut self, payload: T, flags: u16) -> Result<(), NetlinkError>
     where
-        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+        T: NetlinkSerializable + Debug,
     {
-        self.acked(payload, flags).map(|_| ())
+        self.acked(payload, flags, |_| Ok(()))
     }
 
-    /// One message with `NLM_F_REQUEST | NLM_F_ACK | flags`, through [`transact`](Self::transact).
-    fn acked<T>(&mut self, payload: T, flags: u16) -> Result<Vec<NetlinkMessage<T>>, NetlinkError>
+    /// One message with `NLM_F_REQUEST | NLM_F_ACK | flags`, serialized into the thread's send
+    /// buffer and exchanged; every reply other than the ack goes to `reply`.
+    fn acked<T>(
+        &mut self,
+        payload: T,
+        flags: u16,
+        reply: impl FnMut(&[u8]) -> Result<(), NetlinkError>,
+    ) -> Result<(), NetlinkError>
     where
-        T: NetlinkSerializable + NetlinkDeserializable + Debug,
+        T: NetlinkSerializable + Debug,
     {
         let mut header = NetlinkHeader::default();
         header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
-        self.transact(vec![NetlinkMessage::new(
-            header,
-            NetlinkPayload::InnerMessage(payload),
-        )])
+        let mut msg = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
+        msg.finalize();
+        SEND.with_borrow_mut(|buf| {
+            buf.clear();
+            buf.resize(msg.buffer_len(), 0);
+            msg.serialize(buf);
+            self.exchange(buf, &[(0, true)], reply)
+        })
     }
 
     /// Sends a dump request and collects every reply until `NLMSG_DONE`.
@@ -171,7 +186,7 @@ impl NetlinkSocket {
     {
         let mut header = NetlinkHeader::default();
         header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-        let seq = self.alloc_seq();
+        let seq = self.alloc_seqs(1);
         header.sequence_number = seq;
         self.send(&mut [NetlinkMessage::new(
             header,
@@ -197,7 +212,7 @@ impl NetlinkSocket {
     {
         let mut encoded = Encoded::new(&mut msgs);
         let mut replies = Vec::new();
-        self.exchange(&mut encoded, |msg| {
+        self.transact_encoded_with(&mut encoded, |msg| {
             replies.push(
                 NetlinkMessage::<T>::deserialize(msg)
                     .map_err(|e| NetlinkError::Decode(e.to_string()))?,
@@ -210,39 +225,48 @@ impl NetlinkSocket {
     /// [`transact`](Self::transact) of messages serialized before: they are numbered afresh and
     /// sent; replies other than acks are dropped.
     pub fn transact_encoded(&mut self, encoded: &mut Encoded) -> Result<(), NetlinkError> {
-        self.exchange(encoded, |_| Ok(()))
+        self.transact_encoded_with(encoded, |_| Ok(()))
     }
 
-    /// Numbers and sends `encoded`, then reads until every message that asked for an ack got
-    /// one, handing each other reply to one of them (header included) to `reply`. A rejection
-    /// of a message that asked for no ack (the kernel reports failures unasked) counts as well.
-    fn exchange(
+    fn transact_encoded_with(
         &mut self,
         encoded: &mut Encoded,
+        reply: impl FnMut(&[u8]) -> Result<(), NetlinkError>,
+    ) -> Result<(), NetlinkError> {
+        self.exchange(&mut encoded.bytes, &encoded.msgs, reply)
+    }
+
+    /// Numbers and sends the messages serialized in `bytes` (`msgs`: where each starts, whether
+    /// it asks for an ack), then reads until every message that asked for an ack got one,
+    /// handing each other reply to one of them (header included) to `reply`. A rejection of a
+    /// message that asked for no ack (the kernel reports failures unasked) counts as well.
+    fn exchange(
+        &mut self,
+        bytes: &mut [u8],
+        msgs: &[(usize, bool)],
         mut reply: impl FnMut(&[u8]) -> Result<(), NetlinkError>,
     ) -> Result<(), NetlinkError> {
-        let mut numbered = Vec::with_capacity(encoded.msgs.len());
-        let mut pending = Vec::new();
-        for &(start, acked) in &encoded.msgs {
-            let seq = self.alloc_seq();
-            encoded.bytes[start + 8..start + 12].copy_from_slice(&seq.to_ne_bytes());
-            numbered.push(seq);
-            if acked {
-                pending.push(seq);
-            }
+        let first = self.alloc_seqs(msgs.len());
+        let mut pending = 0;
+        for (i, &(start, acked)) in msgs.iter().enumerate() {
+            let seq = first + i as u32;
+            bytes[start + 8..start + 12].copy_from_slice(&seq.to_ne_bytes());
+            pending += usize::from(acked);
         }
-        self.send_bytes(&encoded.bytes)?;
+        self.send_bytes(bytes)?;
         let mut first_err = None;
-        while !pending.is_empty() {
+        while pending > 0 {
             self.recv_each(|msg| {
                 let (message_type, _, seq) = header_of(msg);
-                let Some(index) = numbered.iter().position(|s| *s == seq) else {
+                let index = seq.wrapping_sub(first) as usize;
+                let Some(&(_, acked)) = msgs.get(index) else {
                     return Ok(());
                 };
                 if message_type != NLMSG_ERROR {
                     return reply(msg);
                 }
-                pending.retain(|s| *s != seq);
+                // The kernel answers a message once: with its ack, or with its refusal.
+                pending -= usize::from(acked);
                 if first_err.is_none() {
                     first_err = rejection(msg, index);
                 }
@@ -259,10 +283,17 @@ impl NetlinkSocket {
         }
     }
 
-    fn alloc_seq(&mut self) -> u32 {
-        let seq = self.next_seq;
-        self.next_seq = self.next_seq.wrapping_add(1).max(1);
-        seq
+    /// `n` consecutive sequence numbers, the first returned: a reply's number then says which
+    /// message it answers. Never 0 (the kernel's own notifications), never wrapping within the
+    /// run: a run that would cross `u32::MAX` starts again at 1.
+    fn alloc_seqs(&mut self, n: usize) -> u32 {
+        let n = u32::try_from(n).expect("fewer than 2^32 messages in one datagram");
+        if self.next_seq.checked_add(n).is_none() {
+            self.next_seq = 1;
+        }
+        let first = self.next_seq;
+        self.next_seq = first + n;
+        first
     }
 
     fn send<T: NetlinkSerializable + Debug>(
@@ -726,6 +757,28 @@ mod tests {
         assert!(
             sock.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
                 .is_ok()
+        );
+    }
+
+    #[test]
+    fn sequence_numbers_of_a_datagram_never_wrap_inside_it() {
+        let mut sock = NetlinkSocket::open(netlink_sys::constants::NETLINK_ROUTE).unwrap();
+        sock.next_seq = u32::MAX - 3;
+        assert_eq!(sock.alloc_seqs(3), u32::MAX - 3);
+        assert_eq!(sock.alloc_seqs(3), 1, "a run crossing u32::MAX starts at 1");
+        assert_eq!(sock.alloc_seqs(1), 4);
+        // Answers still find their requests across the restart at 1.
+        sock.next_seq = u32::MAX;
+        let mut msg = LinkMessage::default();
+        msg.header.index = 1;
+        let lo = sock.get(RouteNetlinkMessage::GetLink(msg)).unwrap();
+        assert_eq!(lo.len(), 1, "{lo:?}");
+        let err = sock
+            .request(RouteNetlinkMessage::DelRoute(RouteMessage::default()), 0)
+            .unwrap_err();
+        assert!(
+            matches!(err, NetlinkError::Kernel { index: 0, .. }),
+            "{err}"
         );
     }
 
