@@ -315,7 +315,24 @@ impl Mesh {
         ips: &[IpAddr],
     ) -> Result<(), MeshError> {
         let _pod_lock = self.locks.lock(uid).await;
-        self.upsert_probe_ips(pod, uid, ips).await?;
+        // The addresses this agent wrote for the pod are in the set already (the drift check
+        // puts back any that went missing). Kubelet reports a pod's first address only after
+        // its CNI ADD wrote it, and writing it again found it there and replaced it: two more
+        // nf_tables batches, the second waiting out the kernel's release of the old element.
+        let new: Vec<IpAddr> = ips
+            .iter()
+            .map(|ip| ip.to_canonical())
+            .filter(|ip| !self.probe_ips.holds(uid, *ip))
+            .collect();
+        if !new.is_empty()
+            && let Err(e) = self.upsert_probe_ips(pod, uid, &new).await
+        {
+            // Not written: the retry must not take them as written.
+            for ip in new {
+                self.probe_ips.drop_ip(uid, ip);
+            }
+            return Err(e);
+        }
         self.drop_probe_ips_except(pod, uid, ips)
     }
 

@@ -261,6 +261,36 @@ async fn a_failed_probe_set_fails_the_add_and_puts_the_annotation_back() {
 }
 
 #[tokio::test]
+async fn kubelets_report_of_the_address_the_add_wrote_writes_nothing_again() {
+    let bed = bed();
+    bed.cni_add().await.unwrap();
+    bed.mesh.sync_probe_ips(&pod(), UID, &[ip()]).await.unwrap();
+    assert_eq!(
+        bed.fakes.journal.of("probes"),
+        [format!("probes upsert {} {UID}", ip())]
+    );
+}
+
+#[tokio::test]
+async fn a_new_address_that_failed_to_go_in_is_written_on_the_retry() {
+    let bed = bed();
+    bed.cni_add().await.unwrap();
+    let moved: IpAddr = "10.244.0.8".parse().unwrap();
+    bed.fakes.probes.fail_upsert.store(true, Ordering::SeqCst);
+    let err = bed.mesh.sync_probe_ips(&pod(), UID, &[moved]).await;
+    assert!(matches!(err, Err(MeshError::ProbeSet { .. })), "{err:?}");
+    bed.fakes.probes.fail_upsert.store(false, Ordering::SeqCst);
+    bed.mesh
+        .sync_probe_ips(&pod(), UID, &[moved])
+        .await
+        .unwrap();
+    assert_eq!(
+        bed.fakes.probes.entries(),
+        [(moved, UID.to_string())].into()
+    );
+}
+
+#[tokio::test]
 async fn on_the_informer_path_failed_rules_patch_nothing() {
     let bed = bed();
     bed.fakes.rules.fail_enroll.store(true, Ordering::SeqCst);
