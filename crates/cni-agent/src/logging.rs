@@ -561,6 +561,16 @@ impl Fields {
     fn is_label(field: &Field) -> bool {
         field.name() != "message" && !field.name().starts_with("log.")
     }
+
+    /// A value whose text is its JSON, in either output form.
+    fn record_json_text(&mut self, field: &Field, value: impl std::fmt::Display) {
+        use std::fmt::Write as _;
+        if field.name() == "message" {
+            let _ = write!(self.msg, "{value}");
+        } else if Self::is_label(field) {
+            self.labels.json_text(field.name(), value);
+        }
+    }
 }
 
 impl Visit for Fields {
@@ -590,18 +600,6 @@ impl Visit for Fields {
             let _ = write!(self.msg, "{value:?}");
         } else if Self::is_label(field) {
             self.labels.debug(field.name(), value);
-        }
-    }
-}
-
-impl Fields {
-    /// A value whose text is its JSON, in either output form.
-    fn record_json_text(&mut self, field: &Field, value: impl std::fmt::Display) {
-        use std::fmt::Write as _;
-        if field.name() == "message" {
-            let _ = write!(self.msg, "{value}");
-        } else if Self::is_label(field) {
-            self.labels.json_text(field.name(), value);
         }
     }
 }

@@ -133,7 +133,8 @@ impl CmdAddRequest {
     }
 
     /// Parses either body. Keys match case-insensitively and the last of a key's spellings
-    /// counts, as with Go's decoder (Istio's agent), so any Go client's body reads alike. The
+    /// counts, as with Go's decoder (Istio's agent), so any Go client's body reads alike (Go
+    /// alone skips a last spelling that is null; no client sends a key twice). The
     /// members are read in place from the body: a tree of JSON values, each key and string its
     /// own allocation, was a tenth of what an ambient ADD allocated in the agent.
     pub fn from_json(body: &[u8]) -> Result<CmdAddRequest, CmdAddError> {
@@ -224,27 +225,9 @@ impl<'de: 'a, 'a> Deserialize<'de> for Members<'a> {
     }
 }
 
-/// A member's name, borrowed from the body where it can be.
-struct MemberName<'a>(Cow<'a, str>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for MemberName<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visitor<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visitor<'a> {
-            type Value = MemberName<'a>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a member name")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<MemberName<'a>, E> {
-                Ok(MemberName(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<MemberName<'a>, E> {
-                Ok(MemberName(Cow::Owned(v.to_owned())))
-            }
-        }
-        d.deserialize_str(Visitor(std::marker::PhantomData))
-    }
-}
+/// A member's name, borrowed from the body where it can be (serde's `borrow` on a `Cow`).
+#[derive(Deserialize)]
+struct MemberName<'a>(#[serde(borrow)] Cow<'a, str>);
 
 /// The agent's answer on `/v1/cmdadd` (status 200).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -534,8 +517,8 @@ mod tests {
             ("/b", "p", "escaped")
         );
         assert!(r.ips.is_empty());
-        // A null after a value clears it, as Go leaves a string field it sets to null alone:
-        // the member read is the last one, and null reads as absent.
+        // Here Go keeps "p" (a null member leaves a string field alone); we read the last
+        // member, and null as absent. No client sends a key twice.
         let r = CmdAddRequest::from_json(br#"{"PodName":"p","podname":null}"#).unwrap();
         assert_eq!(r.pod_name, "");
     }

@@ -212,7 +212,7 @@ impl NetlinkSocket {
     {
         let mut encoded = Encoded::new(&mut msgs);
         let mut replies = Vec::new();
-        self.transact_encoded_with(&mut encoded, |msg| {
+        self.exchange(&mut encoded.bytes, &encoded.msgs, |msg| {
             replies.push(
                 NetlinkMessage::<T>::deserialize(msg)
                     .map_err(|e| NetlinkError::Decode(e.to_string()))?,
@@ -225,15 +225,7 @@ impl NetlinkSocket {
     /// [`transact`](Self::transact) of messages serialized before: they are numbered afresh and
     /// sent; replies other than acks are dropped.
     pub fn transact_encoded(&mut self, encoded: &mut Encoded) -> Result<(), NetlinkError> {
-        self.transact_encoded_with(encoded, |_| Ok(()))
-    }
-
-    fn transact_encoded_with(
-        &mut self,
-        encoded: &mut Encoded,
-        reply: impl FnMut(&[u8]) -> Result<(), NetlinkError>,
-    ) -> Result<(), NetlinkError> {
-        self.exchange(&mut encoded.bytes, &encoded.msgs, reply)
+        self.exchange(&mut encoded.bytes, &encoded.msgs, |_| Ok(()))
     }
 
     /// Numbers and sends the messages serialized in `bytes` (`msgs`: where each starts, whether
