@@ -917,13 +917,21 @@ pub async fn wait_redirection(node: &RealNode, ns: &str, name: &str, want: Optio
     .await
 }
 
-/// What the current container of `name` printed first: `REDIRECTED` or `DIRECT`.
+/// What the current container of `name` printed first: `REDIRECTED` or `DIRECT`. A sidecar
+/// pod's app retries for a while before it prints (see [`sidecar_pod`]), and a pod is Running
+/// before that: its logs are read again until the line is there, for up to a minute.
 pub fn witness(node: &RealNode, ns: &str, name: &str) -> String {
-    let logs = node.kubectl(&["-n", ns, "logs", name, "-c", "app"]);
-    logs.lines()
-        .rfind(|l| *l == "REDIRECTED" || *l == "DIRECT")
-        .unwrap_or_else(|| panic!("{ns}/{name} printed no witness: {logs:?}"))
-        .to_string()
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let logs = node.kubectl(&["-n", ns, "logs", name, "-c", "app"]);
+        if let Some(seen) = logs.lines().rfind(|l| *l == "REDIRECTED" || *l == "DIRECT") {
+            return seen.to_string();
+        }
+        if Instant::now() > deadline {
+            panic!("{ns}/{name} printed no witness: {logs:?}");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 /// Puts namespace `name` in the ambient mesh, or takes it out (the label removed).
